@@ -1,8 +1,8 @@
 """``BayesianModel``: a Keras model whose training step gives the optimizer the curvature it needs.
 
 Optimizers of the diagonal family need nothing but the averaged gradient and work with any Keras
-model. K-FAC-type optimizers need per-layer quantities the averaged gradient cannot give, and future
-VOGN/SLANG optimizers need per-example gradients. ``BayesianModel(net)`` wraps any built Sequential
+model. K-FAC-type optimizers need per-layer quantities the averaged gradient cannot give, and
+VOGN/SLANG/NNG-full need per-example gradients. ``BayesianModel(net)`` wraps any built Sequential
 or functional Keras model and overrides ``train_step`` (the documented Keras 3 way) to provide them::
 
     model = tfnng.BayesianModel(net)
@@ -35,10 +35,15 @@ An optimizer that needs more than the averaged gradient implements:
 For ``Requirements.kronecker`` each ``CapturedLayer`` holds ``inputs`` (the layer's input) and
 ``preactivation_grads``: per-example gradients of the log-likelihood with respect to the layer's
 pre-activations (true Fisher: of ``log p(y~ | x, w)`` with ``y~`` drawn by ``loss.sample`` from the
-model's predictive; empirical Fisher: of the training loss times the batch size). To add
-per-example gradients for VOGN/SLANG, extend ``Requirements`` and :func:`compute_curvature` with a
-new branch (e.g. from ``tfnng.curvature.per_example``) that fills another field of the captured
-records; optimizers declare the new field in their requirements. Nothing else changes.
+model's predictive; empirical Fisher: of minus the training loss times the batch size, i.e. of the observed
+targets' log-likelihood when the loss is a mean negative log-likelihood).
+
+For ``Requirements.per_example_gradients`` the dict also holds, keyed by variable path, a
+:class:`tfnng.curvature.per_example.CapturedVariable` for every Bayesian variable that no captured
+layer owns: its per-example log-likelihood gradients from the generic path (``tf.vectorized_map``,
+forward pass with ``training=False``), computed only when ``curvature_due()``. Fast-path variables
+(Dense/Conv2D) get theirs from the layer records (:func:`tfnng.curvature.per_example.layer_gradients`),
+so the selection of the path is automatic.
 
 Hand-written loops use the same pieces through :func:`gradients_and_curvature`::
 
@@ -52,11 +57,65 @@ import keras
 import tensorflow as tf
 from keras.src.trainers import data_adapters
 
+from tfnng import _markers
+from tfnng import losses as _losses
 from tfnng.curvature import capture as _capture
+from tfnng.curvature import per_example as _per_example
+
+
+def unwrap_optimizer(optimizer):
+    """The optimizer that does the updates: the ``inner_optimizer`` of a
+    ``keras.optimizers.LossScaleOptimizer`` (Keras wraps the compiled optimizer in one under the
+    ``"mixed_float16"`` policy), else ``optimizer`` itself."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
 
 
 def _requirements(optimizer):
-    return getattr(optimizer, "curvature_requirements", None)
+    return getattr(unwrap_optimizer(optimizer), "curvature_requirements", None)
+
+
+def _num_replicas():
+    """Replicas of the current ``tf.distribute`` strategy (Keras divides each one's loss by it)."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def _multi_replica_context():
+    """The replica context when tracing one of several replicas, else None."""
+    context = tf.distribute.get_replica_context()
+    return context if context is not None and context.num_replicas_in_sync > 1 else None
+
+
+def _replica_seed(seed):
+    """The true Fisher's target seed with the replica id folded in: the generator's state is
+    mirrored, so its plain draw would give every replica the same noise for its examples."""
+    context = _multi_replica_context()
+    if seed is None or context is None:
+        return seed
+    return tf.random.experimental.stateless_fold_in(_losses._stateless_seed(seed),
+                                                    context.replica_id_in_sync_group)
+
+
+_PER_EXAMPLE_FIELDS = ("inputs", "preactivation_grads", "gradients")
+
+
+def _gather_over_replicas(records):
+    """Concatenate the replicas' per-example tensors along the batch axis (``tf.distribute``), so
+    that every statistic an optimizer computes from the records (Kronecker factors, squared or raw
+    per-example gradients) is that of the global batch, identical on every replica."""
+    context = _multi_replica_context()
+    if context is None or not records:
+        return records
+    parts = [(name, field) for name, record in records.items()
+             for field in _PER_EXAMPLE_FIELDS if getattr(record, field, None) is not None]
+    local = [getattr(records[name], field) for name, field in parts]
+    gathered = context.all_gather(local, axis=0)
+    for (name, field), value, mine in zip(parts, gathered, local):
+        # all_gather forgets the static shape; every replica traces the same per-replica shape.
+        batch = None if mine.shape[0] is None else mine.shape[0] * context.num_replicas_in_sync
+        setattr(records[name], field, tf.ensure_shape(value, [batch] + list(mine.shape[1:])))
+    return records
 
 
 def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weight=None,
@@ -66,7 +125,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     Args:
         net: the Keras model.
         capture: a :class:`tfnng.curvature.capture.LayerCapture` of ``net``.
-        optimizer: the optimizer (its ``curvature_requirements`` and ``curvature_due`` are read).
+        optimizer: the optimizer (its ``curvature_requirements`` and ``curvature_due`` are read;
+            a ``LossScaleOptimizer`` is looked through).
         loss_fn: the likelihood (a tfnng loss: ``sample`` and ``log_prob`` for the true Fisher).
         x, y, sample_weight: the batch.
         seed: a ``keras.random.SeedGenerator`` for the true Fisher's target samples (or None).
@@ -75,16 +135,26 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
 
     Returns:
         ``(loss, y_pred, grads, captured)`` with ``grads`` aligned with ``net.trainable_variables``.
+        ``grads`` are those of ``optimizer.scale_loss(loss)``, as in Keras's ``train_step`` (the
+        same as those of ``loss`` unless the optimizer scales the loss, like the
+        ``LossScaleOptimizer`` of mixed precision, whose ``apply_gradients`` unscales them); the
+        captured statistics are unscaled.
     """
     requirements = _requirements(optimizer)
     variables = list(net.trainable_variables)
+    generic = _generic_variables(capture, variables) if requirements.per_example_gradients else []
     with tf.GradientTape(persistent=True) as tape:
         with capture.recording(tape):
             y_pred = net(x, training=True)
         loss = (compute_loss(y_pred) if compute_loss is not None
                 else loss_fn(y, y_pred, sample_weight=sample_weight))
-        fisher_ll = None
-        if requirements.fisher == "true" and capture.specs:
+        # Keras optimizers scale the loss under mixed precision; protocol stand-ins need not.
+        scale_loss = getattr(optimizer, "scale_loss", None)
+        loss_scale = tf.ones((), loss.dtype) if scale_loss is None else scale_loss(
+            tf.ones((), loss.dtype))
+        scaled_loss = loss * loss_scale
+        fisher_ll, targets = None, y
+        if requirements.fisher == "true" and (capture.specs or generic):
             if not hasattr(loss_fn, "sample") or not hasattr(loss_fn, "log_prob"):
                 raise ValueError(
                     "The true Fisher samples targets from the model's predictive: compile with a "
@@ -93,29 +163,61 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             # Non-finite outputs (a diverging step) would make the sampler return invalid targets;
             # sample from a finite stand-in: the statistics are non-finite anyway and get skipped.
             finite_pred = tf.where(tf.math.is_finite(y_pred), y_pred, tf.zeros_like(y_pred))
-            sampled = tf.stop_gradient(loss_fn.sample(tf.stop_gradient(finite_pred), seed=seed))
-            fisher_ll = tf.reduce_sum(loss_fn.log_prob(sampled, y_pred))
+            targets = tf.stop_gradient(loss_fn.sample(tf.stop_gradient(finite_pred),
+                                                      seed=_replica_seed(seed)))
+            fisher_ll = tf.reduce_sum(loss_fn.log_prob(targets, y_pred))
     records = capture.captured() if capture.specs else {}
     zeros = [r.zero for r in records.values()]
-    all_grads = tape.gradient(loss, variables + zeros)
+    all_grads = tape.gradient(scaled_loss, variables + zeros)
     grads = all_grads[:len(variables)]          # None for unconnected variables, as in Keras
     all_grads = all_grads[:len(variables)] + [
         tf.zeros_like(z) if g is None else g for z, g in zip(zeros, all_grads[len(variables):])]
+    due = unwrap_optimizer(optimizer).curvature_due()
     if zeros:
         if requirements.fisher == "true":
-            due = optimizer.curvature_due()
             pre_grads = tf.cond(
                 due,
                 lambda: tape.gradient(fisher_ll, zeros,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO),
                 lambda: [tf.zeros_like(z) for z in zeros])
         else:
-            batch = tf.cast(tf.shape(zeros[0])[0], zeros[0].dtype)
-            pre_grads = [g * batch for g in all_grads[len(variables):]]
+            # The loss is a mean over the global batch (local batch x replicas, Keras's scaling).
+            batch = tf.cast(tf.shape(zeros[0])[0] * _num_replicas(), zeros[0].dtype)
+            # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
+            # Unscaled in the loss's dtype (float32 also when the activations are float16).
+            pre_grads = [tf.cast(g, loss.dtype) * (-tf.cast(batch, loss.dtype) / loss_scale)
+                         for g in all_grads[len(variables):]]
         for record, g in zip(records.values(), pre_grads):
             record.preactivation_grads = g
-    del tape
-    return loss, y_pred, grads, records
+    if generic:
+        records.update(_generic_records(net, loss_fn, x, targets, generic, due))
+    return loss, y_pred, grads, _gather_over_replicas(records)
+
+
+def _generic_variables(capture, variables):
+    """Bayesian variables that no captured layer owns: they take the generic per-example path."""
+    owned = {id(v) for spec in capture.specs for v in spec.variables}
+    return [v for v in variables if id(v) not in owned and not _markers.is_point_estimate(v)]
+
+
+def _generic_records(net, loss_fn, x, targets, variables, due):
+    """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``)."""
+    if not hasattr(loss_fn, "log_prob"):
+        raise ValueError(
+            "Per-example gradients of layers without a fast path (anything but Dense/Conv2D) need a "
+            "tfnng likelihood loss (GaussianNLL, CategoricalNLL, BernoulliNLL) to evaluate each "
+            "example's log-likelihood.")
+
+    def log_likelihood(y_true, y_pred):
+        return loss_fn.log_prob(y_true, y_pred)
+
+    def compute():
+        return _per_example.per_example_gradients(net, log_likelihood, x, targets, variables)
+
+    gradients = tf.cond(due, compute,
+                        lambda: [tf.zeros((tf.shape(targets)[0],) + tuple(v.shape), v.dtype)
+                                 for v in variables])
+    return {v.path: _per_example.CapturedVariable(v, g) for v, g in zip(variables, gradients)}
 
 
 @keras.saving.register_keras_serializable(package="tfnng")
@@ -141,6 +243,10 @@ class BayesianModel(keras.Model):
         self._kl_tracker = keras.metrics.Mean(name="kl")
         self._layer_capture = None
         self._fisher_seed = keras.random.SeedGenerator(0, name="fisher_targets_seed")
+        # Keras saves no SeedGenerator state: tracked as a non-trainable variable of the model, it
+        # is saved (.keras, .weights.h5, tf.train.Checkpoint) and resumed training draws the same
+        # targets as uninterrupted training.
+        self._fisher_seed_state = self._fisher_seed.state
         if net.built:
             self.built = True
 
@@ -171,25 +277,34 @@ class BayesianModel(keras.Model):
         if self.net.built:
             self._prepare_curvature()
 
+    def compile_from_config(self, config):
+        """Keras's ``compile_from_config`` (used by ``keras.models.load_model``), routed through this
+        class's ``compile`` so that the optimizer is given its layers before it is built."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def _prepare_curvature(self):
         requirements = _requirements(self.optimizer)
         if requirements is None or self._layer_capture is not None:
             return
         capture = _capture.LayerCapture(self.net)
-        if requirements.kronecker:
+        if requirements.kronecker or requirements.per_example_gradients:
             # The optimizer logs the layers that fall back to a diagonal posterior when it builds.
-            self.optimizer.prepare_curvature(capture.specs)
+            unwrap_optimizer(self.optimizer).prepare_curvature(capture.specs)
         self._layer_capture = capture
 
     def _kl_term(self, dtype):
-        kl = getattr(self.optimizer, "kl_divergence", None)
-        if kl is None or not getattr(self.optimizer, "built", False):
+        optimizer = unwrap_optimizer(self.optimizer)
+        kl = getattr(optimizer, "kl_divergence", None)
+        if kl is None or not getattr(optimizer, "built", False):
             return tf.zeros((), dtype)
-        weight = self.optimizer.kl_weight / self.optimizer.num_examples
+        weight = optimizer.kl_weight / optimizer.num_examples
         return tf.cast(weight * kl(), dtype)
 
     def _record(self, x, nll, kl):
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        nll = nll * tf.cast(_num_replicas(), nll.dtype)   # undo Keras's per-replica loss scaling
         self._nll_tracker.update_state(nll, sample_weight=batch)
         self._kl_tracker.update_state(kl)
         self._loss_tracker.update_state(nll + kl, sample_weight=batch)
@@ -204,7 +319,8 @@ class BayesianModel(keras.Model):
                 y_pred = self(x, training=True)
                 nll = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                          training=True)
-            grads = tape.gradient(nll, self.trainable_variables)
+                scaled_nll = optimizer.scale_loss(nll)     # mixed precision, as Keras's train_step
+            grads = tape.gradient(scaled_nll, self.trainable_variables)
             optimizer.apply_gradients(zip(grads, self.trainable_variables))
         else:
             if self._layer_capture is None:
@@ -221,7 +337,7 @@ class BayesianModel(keras.Model):
                 self.net, self._layer_capture, optimizer, self.loss, x, y, sample_weight,
                 seed=self._fisher_seed, compute_loss=compute_loss)
             variables = self.net.trainable_variables
-            optimizer.receive_curvature(captured)
+            unwrap_optimizer(optimizer).receive_curvature(captured)
             optimizer.apply_gradients(zip(grads, variables))
         self._record(x, nll, self._kl_term(nll.dtype))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfnng import metrics as _metrics
+from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer
 
 
@@ -76,7 +77,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     likelihood = _likelihood_of(model, likelihood)
     if int(num_samples) < 1:
         raise ValueError(f"`num_samples` must be >= 1, got {num_samples!r}.")
-    optimizer = getattr(model, "optimizer", None)
+    optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     bayesian = isinstance(optimizer, NoisyOptimizer) and optimizer.built
     num_samples = int(num_samples) if bayesian else 1
     x = tf.convert_to_tensor(x)
@@ -101,18 +102,44 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     return _summarise(outputs, likelihood, return_samples)
 
 
-def _summarise(outputs, likelihood, return_samples):
-    result = Predictive(outputs=outputs, likelihood=likelihood)
+def _per_weight_sample(fn, outputs):
+    """A per-example likelihood function ``fn`` of ``(N, ...)`` outputs, applied to every weight sample
+    of ``(S, N, ...)`` outputs (the sample axis is merged into the batch axis and split again)."""
+    leading = tf.shape(outputs)[:2]
+    merged = tf.reshape(outputs, tf.concat([[-1], tf.shape(outputs)[2:]], axis=0))
+    merged = tf.ensure_shape(merged, tf.TensorShape([None]).concatenate(outputs.shape[2:]))
+    return tf.nest.map_structure(
+        lambda r: tf.reshape(r, tf.concat([leading, tf.shape(r)[1:]], axis=0)), fn(merged))
+
+
+def predictive_moments(outputs, likelihood):
+    """Monte Carlo predictive moments from raw model outputs per weight sample, as tensors.
+
+    ``outputs`` has shape ``(S, N, ...)``; works eagerly and inside a ``tf.function`` (the graph
+    exported by :mod:`tfnng.serving`). Returns a dict with, for classification, ``probs`` (mean over
+    weight samples of the class probabilities), ``probs_variance`` (their variance over weight
+    samples) and ``samples`` (per-sample probabilities, ``(S, N, K)``); for regression, ``mean``,
+    ``epistemic_variance``, ``aleatoric_variance``, ``variance`` (law of total variance, module
+    docstring) and ``samples`` (per-sample predicted means, ``(S, N, d)``).
+    """
+    outputs = tf.convert_to_tensor(outputs)
     if likelihood.is_classification:
-        per_sample = np.stack([likelihood.probabilities(out).numpy() for out in outputs])
-        result.probs = per_sample.mean(axis=0)
-    else:
-        moments = [likelihood.mean_and_variance(out) for out in outputs]
-        per_sample = np.stack([m.numpy() for m, _ in moments])
-        result.mean = per_sample.mean(axis=0)
-        result.epistemic_variance = per_sample.var(axis=0)
-        result.aleatoric_variance = np.stack([v.numpy() for _, v in moments]).mean(axis=0)
-        result.variance = result.epistemic_variance + result.aleatoric_variance
+        per_sample = _per_weight_sample(likelihood.probabilities, outputs)
+        return {"probs": tf.reduce_mean(per_sample, axis=0),
+                "probs_variance": tf.math.reduce_variance(per_sample, axis=0),
+                "samples": per_sample}
+    means, variances = _per_weight_sample(likelihood.mean_and_variance, outputs)
+    epistemic = tf.math.reduce_variance(means, axis=0)
+    aleatoric = tf.reduce_mean(variances, axis=0)
+    return {"mean": tf.reduce_mean(means, axis=0), "epistemic_variance": epistemic,
+            "aleatoric_variance": aleatoric, "variance": epistemic + aleatoric, "samples": means}
+
+
+def _summarise(outputs, likelihood, return_samples):
+    moments = {name: value.numpy() for name, value in predictive_moments(outputs, likelihood).items()}
+    result = Predictive(outputs=outputs, likelihood=likelihood)
+    for field in ("probs", "mean", "epistemic_variance", "aleatoric_variance", "variance"):
+        setattr(result, field, moments.get(field))
     if return_samples:
-        result.samples = per_sample
+        result.samples = moments["samples"]
     return result

@@ -20,9 +20,24 @@ Two routes:
   output pixels of a Conv2D); obtaining those rows is the job of :mod:`tfnng.curvature.capture`.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
+from tfnng.curvature import kronecker as _rows
+
 METHODS = ("auto", "vectorized_map", "jacobian")
+
+
+@dataclasses.dataclass
+class CapturedVariable:
+    """Generic-path record of one variable that no captured layer owns (see :mod:`tfnng.models`).
+
+    ``gradients``: per-example gradients of the log-likelihood, shape ``(B, *variable.shape)``.
+    """
+
+    variable: object
+    gradients: tf.Tensor
 
 
 def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", training=False):
@@ -116,3 +131,37 @@ def squared_gradient_sums_from_rows(activation_rows, gradient_rows):
         return tf.matmul(tf.square(activation_rows[:, 0]), tf.square(gradient_rows[:, 0]),
                          transpose_a=True)
     return tf.reduce_sum(tf.square(gradients_from_rows(activation_rows, gradient_rows)), axis=0)
+
+
+def _split_homogeneous(spec, tensor, leading):
+    """Split a ``(*leading, p, q)`` homogeneous weight tensor into the layer's kernel and bias shapes."""
+    if spec.has_bias:
+        kernel = tf.reshape(tensor[..., :-1, :], leading + list(spec.kernel.shape))
+        return kernel, tf.reshape(tensor[..., -1, :], leading + list(spec.bias.shape))
+    return tf.reshape(tensor, leading + list(spec.kernel.shape)), None
+
+
+def layer_gradients(spec, captured):
+    """Fast path: per-example gradients of one captured Dense/Conv2D layer (SLANG App. C.1).
+
+    ``spec`` is the layer's :class:`~tfnng.curvature.capture.LayerSpec`, ``captured`` its
+    :class:`~tfnng.curvature.capture.CapturedLayer` (inputs and per-example pre-activation
+    gradients). Returns ``(kernel, bias)`` of shapes ``(B, *kernel.shape)`` and ``(B, *bias.shape)``
+    (``bias`` None without one).
+    """
+    gradients = gradients_from_rows(_rows.activation_rows(spec, captured.inputs),
+                                    _rows.gradient_rows(spec, captured.preactivation_grads))
+    return _split_homogeneous(spec, gradients, [tf.shape(gradients)[0]])
+
+
+def layer_squared_gradient_means(spec, captured):
+    """Fast path: ``(1/B) sum_n g_n^2`` of one captured Dense/Conv2D layer (Goodfellow 2015).
+
+    The diagonal Fisher / Gauss-Newton estimate of NNG Alg. 1 and VOGN eq. 9, shaped ``(kernel,
+    bias)`` like the layer's variables (``bias`` None without one), without materialising the
+    per-example gradients of Dense layers on rank-2 inputs.
+    """
+    a = _rows.activation_rows(spec, captured.inputs)
+    ds = _rows.gradient_rows(spec, captured.preactivation_grads)
+    squares = squared_gradient_sums_from_rows(a, ds) / tf.cast(tf.shape(a)[0], a.dtype)
+    return _split_homogeneous(spec, squares, [])

@@ -22,6 +22,8 @@ the Keras convention (mean negative log-likelihood of the batch); the optimizers
 """
 
 import contextlib
+import logging
+import threading
 
 import keras
 import tensorflow as tf
@@ -76,6 +78,43 @@ def _validate_num_examples(num_examples):
     return int(num_examples)
 
 
+class _TraceScratch(threading.local):
+    """Plain-Python values of the step being traced (never tracked), one set per thread.
+
+    ``tf.distribute.MirroredStrategy`` traces each replica's step in its own thread and switches
+    threads at every all-reduce; an ordinary attribute would hand one replica's tensors to another.
+    """
+
+    step_flags = None
+    curvature_batch = None
+    curvature_cache = None
+
+
+def _per_thread(name):
+    """Property stored in the optimizer's :class:`_TraceScratch` (created on first use)."""
+    def scratch(optimizer):
+        local = optimizer.__dict__.get("_trace_scratch")
+        if local is None:
+            local = _TraceScratch()
+            object.__setattr__(optimizer, "_trace_scratch", local)
+        return local
+
+    return property(lambda self: getattr(scratch(self), name),
+                    lambda self, value: setattr(scratch(self), name, value))
+
+
+def _sum_over_replicas(grads):
+    """All-reduce (sum) of the gradients over the replicas of a ``tf.distribute`` strategy.
+
+    Keras divides each replica's loss by the number of replicas (``tf.distribute`` convention), so
+    the sum is the gradient of the global batch's mean loss and every replica updates with it.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return grads
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+
+
 def _constant(value):
     """Initializer exact in the variable's dtype (Keras's Constant rounds through float32)."""
     return lambda shape, dtype: tf.fill(shape, tf.constant(value, dtype))
@@ -97,17 +136,29 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         kl_weight: lambda, the weight of the KL term (lambda < 1 tempers the posterior). Default 1.
         mc_samples: number of weight samples (gradient evaluations) averaged per update. Default 1.
         seed: seed of the optimizer's weight-noise generator (int or None).
+        nonfinite: what an update whose gradients or curvature statistics contain NaN or Inf does:
+            ``"skip"`` (default) or ``"raise"`` (see below).
         **kwargs: the usual Keras optimizer arguments (``clipnorm``, ``global_clipnorm``, ``name``...).
 
-    Non-finite gradients: an update whose gradients contain NaN or Inf is skipped as a whole (mean and
-    curvature keep their values, a fresh sample is drawn) and counted in ``skipped_updates``.
+    Non-finite values: the gradients and the curvature statistics handed over for the step (layer
+    inputs, pre-activation and per-example gradients, see :mod:`tfnng.models`) are checked before
+    any state changes. ``nonfinite="skip"``: the update is skipped as a whole (mean and curvature keep
+    their values, a fresh sample is drawn), counted in ``skipped_updates`` and logged as a warning on
+    the ``"tfnng"`` logger naming the offending tensors (at the 1st, 2nd, 4th, 8th... skip; not from
+    a step compiled with XLA, which cannot call back into Python). ``nonfinite="raise"``: the step
+    fails with ``tf.errors.InvalidArgumentError`` naming the offending tensor, and nothing is
+    modified; XLA drops such checks, so a step compiled with ``jit_compile=True`` raises
+    ``ValueError`` when it is traced.
     """
 
     _slots = {}
     _sample_statistic_names = ("grad",)
+    _step_flags = _per_thread("step_flags")   # (finite, apply_now) of the step being traced
 
     def __init__(self, learning_rate, num_examples=None, prior_variance=None, prior_precision=None,
-                 kl_weight=1.0, mc_samples=1, seed=None, name=None, **kwargs):
+                 kl_weight=1.0, mc_samples=1, seed=None, nonfinite="skip", name=None, **kwargs):
+        if not isinstance(nonfinite, str) or nonfinite not in ("skip", "raise"):
+            raise ValueError(f"`nonfinite` must be 'skip' or 'raise', got {nonfinite!r}.")
         for unsupported in ("weight_decay", "use_ema", "gradient_accumulation_steps"):
             if kwargs.get(unsupported):
                 raise ValueError(
@@ -121,6 +172,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         self.kl_weight = _positive("kl_weight", kl_weight)
         self.mc_samples = _positive_int("mc_samples", mc_samples)
         self.seed = seed
+        self.nonfinite = nonfinite
         self._seed_generator = keras.random.SeedGenerator(seed, name="weight_noise_seed")
         self._track_variable(self._seed_generator.state)
 
@@ -152,10 +204,12 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 for name, init in self._slots.items()}
             if any(self._point):
                 # Point-estimated variational parameters (e.g. q(tau) of NoisePrecision): Adam.
-                self._point_moments = {
-                    i: (self.add_variable_from_reference(v, "point_m"),
-                        self.add_variable_from_reference(v, "point_v"))
-                    for i, v in enumerate(variables) if self._point[i]}
+                # A list aligned with the variables: tf.train.Checkpoint cannot save dicts with
+                # integer keys.
+                self._point_moments = [
+                    (self.add_variable_from_reference(v, "point_m"),
+                     self.add_variable_from_reference(v, "point_v")) if self._point[i] else None
+                    for i, v in enumerate(variables)]
             if self.mc_samples > 1:
                 self._accumulators = {
                     name: self.add_optimizer_variables(variables, f"mc_sum_{name}")
@@ -193,21 +247,69 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        self._initialize_means_once()
-        grads = self._clip_gradients(grads)
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        if self.mc_samples == 1:
-            apply_now = finite
-        else:
-            apply_now = tf.logical_and(finite, self._mc_count + 1 >= self.mc_samples)
-        # Plain attribute (not tracked): read by update_step while this step is being built.
-        object.__setattr__(self, "_step_flags", (finite, apply_now))
-        self._backend_update_step(grads, trainable_variables, self.learning_rate)
-        if self.mc_samples > 1:
-            self._mc_count.assign(tf.where(apply_now, tf.zeros_like(self._mc_count),
-                                           self._mc_count + tf.cast(finite, tf.int64)))
-        self._update_count.assign_add(tf.cast(apply_now, tf.int64))
-        self._skipped.assign_add(1 - tf.cast(finite, tf.int64))
+        # Local import: only this guard needs to know whether the step is compiled with XLA.
+        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+
+        grads = self._clip_gradients(_sum_over_replicas(grads))
+        # The non-finite guard (class docstring): gradients and this step's curvature statistics.
+        checked = [(f"the gradient of {getattr(v, 'path', v.name)}", g)    # Keras or tf.Variable
+                   for g, v in zip(grads, trainable_variables)]
+        statistics = {"inputs": "inputs", "preactivation_grads": "pre-activation gradients",
+                      "gradients": "per-example gradients"}
+        for layer, record in (getattr(self, "_curvature_batch", None) or {}).items():
+            checked += [(f"the {what} captured for {layer}", getattr(record, field))
+                        for field, what in statistics.items()
+                        if getattr(record, field, None) is not None]
+        checked = [(what, t) for what, t in checked if t.dtype.is_floating]
+        compiled = GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+        guards = []
+        if self.nonfinite == "raise":
+            if compiled:
+                raise ValueError(
+                    f"{type(self).__name__}(nonfinite='raise') cannot check a step compiled with "
+                    "XLA, which drops tf.debugging checks: compile the model with "
+                    "jit_compile=False, or use nonfinite='skip'.")
+            guards = [tf.debugging.check_numerics(t, f"{type(self).__name__}(nonfinite='raise'): "
+                                                     f"NaN or Inf in {what}")
+                      for what, t in checked]
+        flags = tf.stack([tf.reduce_all(tf.math.is_finite(t)) for _, t in checked])
+        finite = tf.reduce_all(flags)
+        with tf.control_dependencies(guards):      # "raise": no state changes before the checks
+            self._initialize_means_once()
+            if self.mc_samples == 1:
+                apply_now = finite
+            else:
+                apply_now = tf.logical_and(finite, self._mc_count + 1 >= self.mc_samples)
+            # Plain attribute (not tracked): read by update_step while this step is being built.
+            object.__setattr__(self, "_step_flags", (finite, apply_now))
+            self._backend_update_step(grads, trainable_variables, self.learning_rate)
+            if self.mc_samples > 1:
+                self._mc_count.assign(tf.where(apply_now, tf.zeros_like(self._mc_count),
+                                               self._mc_count + tf.cast(finite, tf.int64)))
+            self._update_count.assign_add(tf.cast(apply_now, tf.int64))
+            self._skipped.assign_add(1 - tf.cast(finite, tf.int64))
+        if self.nonfinite == "skip" and not compiled:
+            described, name = [what for what, _ in checked], type(self).__name__
+
+            def warn(flags, skipped):
+                count = int(skipped)
+                if count & (count - 1) == 0:     # 1st, 2nd, 4th, 8th...: no flood when diverging
+                    bad = ", ".join(w for w, ok in zip(described, flags.numpy()) if not ok)
+                    logging.getLogger("tfnng").warning(
+                        "%s skipped an update: NaN or Inf in %s (%d updates skipped so far).",
+                        name, bad, count)
+                return True
+
+            # Host callback on the (rare) skipping branch only.
+            tf.cond(finite, lambda: tf.constant(True),
+                    lambda: tf.py_function(warn, [flags, self._skipped], tf.bool))
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        """Update in the current replica context (Keras's TF backend would all-reduce again): the
+        gradients are summed over replicas already, so every replica applies the same update to
+        its copy of the weights and state, and draws the same sample (mirrored seed state)."""
+        for gradient, variable in zip(grads, trainable_variables):
+            self.update_step(gradient, variable, learning_rate)
 
     def update_step(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
@@ -341,6 +443,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             "kl_weight": self.kl_weight,
             "mc_samples": self.mc_samples,
             "seed": self.seed,
+            "nonfinite": self.nonfinite,
         })
         return config
 
@@ -355,7 +458,8 @@ class CurvatureConsumer:
     """
 
     _layer_specs = None
-    _curvature_batch = None
+    _curvature_batch = _per_thread("curvature_batch")
+    _curvature_cache = _per_thread("curvature_cache")
 
     def prepare_curvature(self, layer_specs):
         """Receive the supported layers (:class:`tfnng.curvature.capture.LayerSpec`) before ``build``."""

@@ -119,8 +119,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         kl_clip_decay_steps: updates between increments of j (default: never).
         inverse_warmup: also refresh the inverses at every statistics update during the first
             ``inverse_every`` updates (default True; False follows Alg. 2 literally).
-        See :class:`~tfnng.optimizers.base.NoisyOptimizer` for ``prior_variance``, ``kl_weight``,
-        ``seed``. ``mc_samples`` must be 1.
+
+    See :class:`~tfnng.optimizers.base.NoisyOptimizer` for ``prior_variance``, ``kl_weight``,
+    ``seed``. ``mc_samples`` must be 1.
     """
 
     _noisy = True
@@ -180,6 +181,16 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         """sqrt(lambda / N) of eq. (13)."""
         return math.sqrt(self.kl_weight / self.num_examples) if self._noisy else 0.0
 
+    @property
+    def kl_clip_threshold(self):
+        """``c_k = c_0 zeta^j`` of the KL-clipped step size (App. C.2, eq. 26) for the next update,
+        ``j = update_count // kl_clip_decay_steps`` (float32 tensor); None without ``kl_clip``."""
+        if self.kl_clip is None:
+            return None
+        exponent = (tf.constant(0.0) if self.kl_clip_decay_steps is None or not self.built else
+                    tf.cast(self._update_count // self.kl_clip_decay_steps, tf.float32))
+        return self.kl_clip * tf.pow(tf.constant(self.kl_clip_decay, tf.float32), exponent)
+
     # ---------------------------------------------------------------------------------- state
     def build(self, variables):
         if self.built:
@@ -208,10 +219,11 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             self._build_block_state(n, block, variables[block.kernel_index].dtype)
         for c, chain in enumerate(self._chains):
             self._build_chain_state(c, chain, variables[chain[0].kernel_index].dtype)
-        self._diag_momentum = {i: self.add_variable_from_reference(variables[i], "diag_momentum")
-                               for i in self._fallback}
-        self._diag_fisher = {i: self.add_variable_from_reference(variables[i], "diag_fisher")
-                             for i in self._fallback}
+        # Lists aligned with the variables (None off the fallback): tf.train.Checkpoint cannot
+        # save dicts with integer keys.
+        self._diag_momentum, self._diag_fisher = (
+            [self.add_variable_from_reference(v, name) if i in self._fallback else None
+             for i, v in enumerate(variables)] for name in ("diag_momentum", "diag_fisher"))
         self._stats_count = self.add_variable((), initializer="zeros", dtype="int64",
                                               name="stats_count")
         self._inverse_failures = self.add_variable((), initializer="zeros", dtype="int64",
@@ -222,20 +234,23 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                             "diagonal (noisy Adam) posterior.", type(self).__name__, ", ".join(names))
 
     def _find_chains(self):
-        """Maximal runs of consecutive Dense blocks with rank-2 inputs (block-tridiagonal chains)."""
+        """Maximal runs of Dense blocks with rank-2 inputs, each reading the previous one's output
+        directly (block-tridiagonal chains, Martens & Grosse 2015 sec. 4.3)."""
         chains, current = [], []
         for block in self._blocks:
             layer = block.spec.layer
             try:
                 rank2 = len(layer.input.shape) == 2
+                # Adjacent in the model: this layer reads the previous chain member's output.
+                follows = bool(current) and layer.input is current[-1].spec.layer.output
             except (AttributeError, ValueError):
-                rank2 = False
-            if block.spec.kind == "dense" and rank2:
-                current.append(block)
-            else:
+                rank2 = follows = False
+            if current and not follows:
                 if len(current) > 1:
                     chains.append(current)
                 current = []
+            if block.spec.kind == "dense" and rank2:
+                current.append(block)
         if len(current) > 1:
             chains.append(current)
         for c, chain in enumerate(chains):
@@ -467,9 +482,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         if self.kl_clip is not None:
             fisher_norm = tf.add_n([tf.reduce_sum(tf.cast(directions[id(b)] * moments[id(b)],
                                                           tf.float32)) for b in blocks])
-            exponent = (tf.constant(0.0) if self.kl_clip_decay_steps is None else
-                        tf.cast(self._update_count // self.kl_clip_decay_steps, tf.float32))
-            c = self.kl_clip * tf.pow(tf.constant(self.kl_clip_decay, tf.float32), exponent)
+            c = self.kl_clip_threshold
             lr = tf.minimum(lr, tf.sqrt(c / tf.maximum(fisher_norm, 1e-30)))
         for block in blocks:
             mean = self._mean_matrix(block)
@@ -659,8 +672,9 @@ class KFAC(NoisyKFAC):
         learning_rate: step size.
         damping: gamma (> 0 unless ``l2 > 0``).
         l2: coefficient of the L2 penalty ``(l2 / 2) |W|^2`` added to the mean loss's gradient.
-        Other arguments as :class:`NoisyKFAC` (``stat_decay``, ``momentum``, ``stats_every``,
-        ``inverse_every``, ``fisher``, ``block_tridiagonal``, ``kl_clip``...).
+
+    Other arguments as :class:`NoisyKFAC` (``stat_decay``, ``momentum``, ``stats_every``,
+    ``inverse_every``, ``fisher``, ``block_tridiagonal``, ``kl_clip``...).
     """
 
     _noisy = False

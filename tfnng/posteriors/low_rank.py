@@ -30,15 +30,16 @@ def fast_eig(factors, rank, oversampling=DEFAULT_OVERSAMPLING,
     as ``F (F^T X)``.
 
     Randomised range finder with power iterations (Halko et al. 2011, Alg. 4.4 and 5.3; SLANG App.
-    C.2): a Gaussian test matrix with ``rank + oversampling`` columns (capped at D) is multiplied by A
-    ``1 + power_iterations`` times with QR re-orthonormalisation in between, giving an orthonormal
+    C.2): F times a Gaussian test matrix with ``rank + oversampling`` columns (capped at D) spans
+    range(F) = range(A) approximately; it is multiplied by A ``power_iterations`` more times with
+    re-orthonormalisation in between (:func:`_orthonormal_columns`), giving an orthonormal
     basis Q of the approximate top eigenspace; the eigenpairs of the small matrix ``Q^T A Q`` lifted by
     Q are returned. The error of the rank-L approximation is close to the best possible
     ``lambda_{L+1}`` with high probability; oversampling (5-10 is the usual choice) controls the failure
     probability and each power iteration raises the eigenvalue decay ratio to a further power
     ``(lambda_{L+1} / lambda_L)^2``. When ``K <= rank + oversampling`` the range of F itself (at most K
     dimensions) is used instead of a sketch, which is exact and deterministic. Cost O(D K (L + p)) per
-    pass plus O(D (L + p)^2) for the QR factorisations: linear in D.
+    pass plus O(D (L + p)^2) for the orthonormalisations: linear in D.
 
     Args:
         factors: (D, K) float tensor F.
@@ -52,22 +53,39 @@ def fast_eig(factors, rank, oversampling=DEFAULT_OVERSAMPLING,
         orthonormal eigenvectors.
     """
     factors = tf.convert_to_tensor(factors)
-    dim, count = factors.shape
-    if rank > min(dim, count):
+    dim, count = factors.shape          # count is None when the batch size is known only at run time
+    if rank > dim or (count is not None and rank > count):
         raise ValueError(f"`rank` ({rank}) exceeds the size of the factor matrix {factors.shape}.")
     sketch_size = min(rank + oversampling, dim)
-    if count <= sketch_size:
+    if count is not None and count <= sketch_size:
         basis, _ = tf.linalg.qr(factors)
     else:
-        basis = factors @ (tf.transpose(factors) @ keras.random.normal(
-            (dim, sketch_size), dtype=factors.dtype, seed=seed))
-        basis, _ = tf.linalg.qr(basis)
+        # range(F F^T) = range(F): sketch F with a (K, L + p) Gaussian test matrix.
+        basis = _orthonormal_columns(factors @ keras.random.normal(
+            tf.stack([tf.shape(factors)[1], sketch_size]), dtype=factors.dtype, seed=seed))
         for _ in range(power_iterations):
-            basis, _ = tf.linalg.qr(factors @ (tf.transpose(factors) @ basis))
-    projected = tf.transpose(basis) @ factors                       # Q^T F, so Q^T A Q = (Q^T F)(Q^T F)^T
+            basis = _orthonormal_columns(factors @ tf.matmul(factors, basis, transpose_a=True))
+    projected = tf.matmul(basis, factors, transpose_a=True)       # Q^T F, so Q^T A Q = (Q^T F)(Q^T F)^T
     values, vectors = tf.linalg.eigh(projected @ tf.transpose(projected))
     values, vectors = tf.reverse(values, [0])[:rank], tf.reverse(vectors, [1])[:, :rank]
     return tf.maximum(values, 0.0), basis @ vectors
+
+
+def _orthonormal_columns(matrix, passes=2):
+    """An orthonormal basis of the column space of a tall (D, k) matrix, by two passes of
+    Gram-matrix orthonormalisation (SVQB, Stathopoulos & Wu 2002): with ``Y^T Y = V diag(s) V^T``
+    (in float64), ``Q = Y V diag(s)^{-1/2}``. Columns of a numerically rank-deficient ``Y`` (``s`` below
+    a relative 1e-12) come out as zeros, which only add zero eigenpairs. Costs two ``D k^2`` products,
+    far less than a Householder QR of a tall matrix on the CPU (SLANG App. C.2 uses QR).
+    """
+    basis = matrix
+    for _ in range(passes):
+        wide = tf.cast(basis, tf.float64)
+        values, vectors = tf.linalg.eigh(tf.matmul(wide, wide, transpose_a=True))
+        keep = values > 1e-12 * tf.reduce_max(values)
+        scale = tf.where(keep, tf.math.rsqrt(tf.where(keep, values, 1.0)), 0.0)
+        basis = basis @ tf.cast(vectors * scale, basis.dtype)
+    return basis
 
 
 def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=None,
@@ -136,24 +154,35 @@ def fast_inverse(low_rank, diagonal, vectors):
     return result[:, 0] if squeeze else result
 
 
-def fast_sample(low_rank, diagonal, standard_normal):
-    """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4).
+def covariance_root(low_rank, diagonal):
+    """The symmetric square root of ``(U U^T + diag d)^-1`` as a ``tf.linalg.LinearOperator`` (Alg. 3).
 
     With ``V = d^{-1/2} U`` the covariance is ``d^{-1/2} (I + V V^T)^{-1} d^{-1/2}``, and its square
     root ``d^{-1/2} (I - V K V^T)`` (the symmetric factorisation of Ambikasaran & O'Neil, SLANG ref.
-    [4]) is applied to ``eps`` as in Alg. 3, line 7. Alg. 3 builds the L x L matrix K from Cholesky
-    factors of ``V^T V``, which requires U of full column rank; here K comes from the eigendecomposition
+    [4]; SLANG App. C.4). Alg. 3 builds the L x L matrix K from Cholesky factors of ``V^T V``, which
+    requires U of full column rank; here K comes from the eigendecomposition
     ``V^T V = W diag(s) W^T`` as ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``, the same
-    matrix, well defined for rank-deficient U (e.g. zero columns at initialisation). Cost
-    O(D L^2 + L^3 + D L S) for S draws (``standard_normal`` of shape (D,) or (D, S)).
+    matrix, well defined for rank-deficient U (e.g. zero columns at initialisation). The factor
+    ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
-    matrix, squeeze = _linalg.as_matrix(standard_normal)
     inv_sqrt = tf.math.rsqrt(diagonal)
     scaled = low_rank * inv_sqrt[:, None]
     values, vectors = tf.linalg.eigh(tf.transpose(scaled) @ scaled)
     root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
-    kernel = (vectors / (root * (1.0 + root))) @ tf.transpose(vectors)
-    result = inv_sqrt[:, None] * (matrix - scaled @ (kernel @ (tf.transpose(scaled) @ matrix)))
+    correction = tf.linalg.LinearOperatorLowRankUpdate(
+        tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=diagonal.dtype),
+        scaled @ vectors, diag_update=-1.0 / (root * (1.0 + root)),
+        is_self_adjoint=True, is_positive_definite=True)
+    return tf.linalg.LinearOperatorComposition(
+        [tf.linalg.LinearOperatorDiag(inv_sqrt, is_positive_definite=True), correction])
+
+
+def fast_sample(low_rank, diagonal, standard_normal):
+    """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4):
+    ``covariance_root(U, d) eps``. Cost O(D L^2 + L^3 + D L S) for S draws (``standard_normal`` of
+    shape (D,) or (D, S))."""
+    matrix, squeeze = _linalg.as_matrix(standard_normal)
+    result = covariance_root(low_rank, diagonal).matmul(matrix)
     return result[:, 0] if squeeze else result
 
 

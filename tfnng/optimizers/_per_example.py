@@ -1,0 +1,137 @@
+"""The optimizer side of per-example statistics (:class:`tfnng.curvature.Requirements`).
+
+Optimizers whose curvature is built from per-example gradients (NoisyAdam's per-example Fisher,
+VOGN, SLANG, NNG-full) read them from the records :class:`tfnng.BayesianModel` hands over each step
+(:meth:`~tfnng.optimizers.base.CurvatureConsumer.receive_curvature`). :class:`PerExampleStatistics`
+finds, for each model variable, where its per-example gradients come from — the fast path of its
+Dense/Conv2D layer, or the generic path's record — so the selection is automatic.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfnng import curvature as _curvature
+from tfnng.curvature import per_example as _per_example
+from tfnng.optimizers.base import CurvatureConsumer, NoisyOptimizer, _non_negative
+
+
+class PerExampleStatistics:
+    """Mixin for :class:`~tfnng.optimizers.base.CurvatureConsumer` optimizers (call
+    :meth:`_map_per_example_sources` at the end of ``build``)."""
+
+    def _map_per_example_sources(self, variables):
+        """Index -> (layer spec, "kernel" | "bias") for every variable of a captured layer."""
+        self._fast_sources = {}
+        for spec in self._layer_specs or ():
+            for part, variable in (("kernel", spec.kernel), ("bias", spec.bias)):
+                if variable is not None:
+                    self._fast_sources[self._get_variable_index(variable)] = (spec, part)
+
+    def _records(self):
+        if self._curvature_batch is None:
+            raise ValueError(
+                f"{type(self).__name__} received no per-example statistics for this step: train a "
+                "tfnng.BayesianModel, or pass `curvature=` (from tfnng.models.gradients_and_curvature) "
+                "to apply_gradients.")
+        return self._curvature_batch
+
+    def _from_layer(self, index, compute):
+        """One part of a captured layer's per-example quantity, computed once per layer and step."""
+        spec, part = self._fast_sources[index]
+        key = (compute.__name__, spec.name)
+        if key not in self._curvature_cache:
+            self._curvature_cache[key] = compute(spec, self._records()[spec.name])
+        kernel, bias = self._curvature_cache[key]
+        return kernel if part == "kernel" else bias
+
+    def has_per_example_source(self, index):
+        """Whether variable ``index`` gets per-example gradients (fast path or generic record)."""
+        return index in self._fast_sources or (
+            self._curvature_batch is not None
+            and self._trainable_variables[index].path in self._curvature_batch)
+
+    def _squared_gradient_mean(self, index):
+        """``(1/B) sum_n g_n^2`` for variable ``index`` (VOGN eq. 9, NNG Alg. 1's Fisher)."""
+        if index in self._fast_sources:
+            return self._from_layer(index, _per_example.layer_squared_gradient_means)
+        gradients = self._generic_gradients(index)
+        return tf.reduce_mean(tf.square(gradients), axis=0)
+
+    def _example_gradients(self, index):
+        """Per-example gradients ``(B, *shape)`` of variable ``index`` (SLANG Alg. 1, line 6)."""
+        if index in self._fast_sources:
+            return self._from_layer(index, _per_example.layer_gradients)
+        return self._generic_gradients(index)
+
+    def _generic_gradients(self, index):
+        variable = self._trainable_variables[index]
+        record = self._records().get(variable.path)
+        if record is None:
+            raise ValueError(f"{type(self).__name__}: no per-example gradients for {variable.path}.")
+        return record.gradients
+
+
+class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
+    """Base of the optimizers whose curvature is an average of per-example gradient products (VOGN,
+    SLANG, NNG-full): their common hyper-parameters and requirements.
+
+    Args:
+        beta: step size of the curvature (VOGN eq. 10's beta, NNG eq. 9's beta-tilde, SLANG Alg. 1's
+            beta), in (0, 1]: a float or a Keras schedule of the update number.
+        hess_init: initial value of the curvature's diagonal. The default 1 makes the first mean
+            steps plain gradient steps; with 0 they are ``alpha g / gamma_in``, N times larger,
+            which diverges for usual step sizes on a large data set.
+        extrinsic_damping: gamma_ex, added to the damping of the mean step only (NNG sec. 3.2).
+        fisher: ``"true"`` (targets sampled from the predictive, NNG footnote 1) or
+            ``"empirical"`` (the observed targets: the papers' "EF" variants).
+    """
+
+    def __init__(self, learning_rate, num_examples=None, beta=1e-3, hess_init=1.0,
+                 extrinsic_damping=0.0, fisher="true", **kwargs):
+        super().__init__(learning_rate=learning_rate, num_examples=num_examples, **kwargs)
+        self.curvature_requirements = _curvature.Requirements(
+            kronecker=True, per_example_gradients=True, fisher=fisher)
+        self.fisher = fisher
+        self.beta = resolve_rate("beta", beta)
+        self.hess_init = _non_negative("hess_init", hess_init)
+        self.extrinsic_damping = _non_negative("extrinsic_damping", extrinsic_damping)
+
+    def build(self, variables):
+        if self.built:
+            return
+        self._require_layer_specs()
+        super().build(variables)
+        self._map_per_example_sources(variables)
+
+    def _beta_now(self, dtype):
+        return rate_at(self.beta, self._update_count, dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "beta": serialize_rate(self.beta),
+                "hess_init": self.hess_init, "extrinsic_damping": self.extrinsic_damping,
+                "fisher": self.fisher}
+
+
+def resolve_rate(name, value):
+    """Validate a rate in (0, 1] given as a float or a ``keras.optimizers.schedules`` schedule."""
+    if isinstance(value, dict):
+        value = keras.optimizers.schedules.deserialize(value)
+    if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
+        return value
+    if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"`{name}` must be in (0, 1] or a keras.optimizers.schedules schedule, "
+                         f"got {value!r}.")
+    return float(value)
+
+
+def rate_at(rate, step, dtype):
+    """The value of a :func:`resolve_rate` rate at update number ``step``."""
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return tf.cast(rate(step), dtype)
+    return tf.constant(rate, dtype)
+
+
+def serialize_rate(rate):
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return keras.optimizers.schedules.serialize(rate)
+    return rate
