@@ -1,7 +1,10 @@
 """Keras 3 optimizers that fit Gaussian posteriors by noisy natural gradient (DESIGN.md layer 3)."""
 
 from tfnng.optimizers.base import NoisyOptimizer
-from tfnng.optimizers.diagonal import IVON, NoisyAdam, VadaGrad, Vadam, Vprop
+from tfnng.optimizers.diagonal import IVON, VOGN, NoisyAdam, VadaGrad, Vadam, Vprop
+from tfnng.optimizers.full import NoisyNaturalGradient
 from tfnng.optimizers.kfac import KFAC, NoisyKFAC
+from tfnng.optimizers.low_rank import SLANG
 
-__all__ = ["NoisyOptimizer", "NoisyAdam", "Vadam", "Vprop", "VadaGrad", "IVON", "NoisyKFAC", "KFAC"]
+__all__ = ["NoisyOptimizer", "NoisyAdam", "Vadam", "Vprop", "VadaGrad", "IVON", "VOGN", "NoisyKFAC",
+           "KFAC", "SLANG", "NoisyNaturalGradient"]

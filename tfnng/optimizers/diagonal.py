@@ -14,8 +14,7 @@ import keras
 import tensorflow as tf
 
 from tfnng import curvature as _curvature
-from tfnng.curvature import kronecker as _rows
-from tfnng.curvature import per_example as _per_example
+from tfnng.optimizers._per_example import PerExampleOptimizer, PerExampleStatistics
 from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _non_negative, _positive,
                                    _probability)
 
@@ -41,24 +40,8 @@ def noisy_adam_step(mean, momentum, fisher, grad, weight, fisher_estimate, lr, t
     mean.assign_sub(lr * momentum / (1 - beta_1 ** t) / (fisher + damping))
 
 
-def per_example_squared_gradients(spec, captured):
-    """Mean over the batch of squared per-example gradients of one captured layer (Goodfellow 2015).
-
-    Returns ``(kernel, bias)`` tensors shaped like the layer's variables (``bias`` None without one):
-    the diagonal Fisher estimate ``(1/B) sum_n (grad_w log p(y_n | x_n, w))^2`` of NNG Alg. 1 / eq. 8,
-    from the layer inputs and per-example pre-activation gradients captured by BayesianModel.
-    """
-    a = _rows.activation_rows(spec, captured.inputs)
-    ds = _rows.gradient_rows(spec, captured.preactivation_grads)
-    batch = tf.cast(tf.shape(a)[0], a.dtype)
-    squares = _per_example.squared_gradient_sums_from_rows(a, ds) / batch
-    if spec.has_bias:
-        return tf.reshape(squares[:-1], spec.kernel.shape), tf.reshape(squares[-1], spec.bias.shape)
-    return tf.reshape(squares, spec.kernel.shape), None
-
-
 @_register
-class NoisyAdam(CurvatureConsumer, NoisyOptimizer):
+class NoisyAdam(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
     """Noisy Adam, NNG-FFG — Alg. 1 of Zhang et al. 2018 (*Noisy Natural Gradient as VI*).
 
     Sampling ``w ~ N(mu, (lambda/N) diag(f + gamma_in)^-1)``; then with ``v = g + gamma_in w``::
@@ -75,13 +58,15 @@ class NoisyAdam(CurvatureConsumer, NoisyOptimizer):
     size, Khan et al. 2018 Thm. 1). With ``fisher="true"`` (targets sampled from the model's
     predictive, NNG footnote 1) or ``"empirical"`` (observed targets) the model must be a
     :class:`tfnng.BayesianModel`: Dense and Conv2D weights then use the mean of squared per-example
-    gradients (:func:`per_example_squared_gradients`); other layers keep the approximation.
+    gradients (:func:`tfnng.curvature.per_example.layer_squared_gradient_means`); other layers keep
+    the approximation (use :class:`VOGN` for per-example gradients of every layer).
 
     Args:
         extrinsic_damping: gamma_ex, added to the damping of the mean step only (NNG sec. 3.2).
         hess_init: initial value of the Fisher estimate f (0 starts sampling from the prior).
         fisher: None, ``"true"`` or ``"empirical"`` (see above).
-        See :class:`~tfnng.optimizers.base.NoisyOptimizer` for the common arguments.
+
+    See :class:`~tfnng.optimizers.base.NoisyOptimizer` for the common arguments.
     """
 
     _sample_statistic_names = ("grad", "weight")
@@ -114,14 +99,10 @@ class NoisyAdam(CurvatureConsumer, NoisyOptimizer):
         if self.fisher is not None:
             self._require_layer_specs()
         super().build(variables)
-        self._fisher_source = {}
-        for spec in self._layer_specs or ():
-            for part, variable in (("kernel", spec.kernel), ("bias", spec.bias)):
-                if variable is not None:
-                    self._fisher_source[self._get_variable_index(variable)] = (spec, part)
+        self._map_per_example_sources(variables)
         if self.fisher is not None:
             approximated = sorted({variables[i].path.rsplit("/", 1)[0] for i in range(len(variables))
-                                   if i not in self._fisher_source and not self._point[i]})
+                                   if i not in self._fast_sources and not self._point[i]})
             if approximated:
                 _log.info("NoisyAdam: no per-example gradients for %s; their Fisher uses the "
                           "squared batch gradient.", ", ".join(approximated))
@@ -133,17 +114,9 @@ class NoisyAdam(CurvatureConsumer, NoisyOptimizer):
         return stats
 
     def _per_example_fisher(self, index, gradient):
-        if index not in self._fisher_source:
+        if index not in self._fast_sources:
             return tf.square(gradient)
-        if self._curvature_batch is None:
-            raise ValueError("NoisyAdam(fisher=...) received no per-example statistics: train a "
-                             "tfnng.BayesianModel, or pass `curvature=` to apply_gradients.")
-        spec, part = self._fisher_source[index]
-        if spec.name not in self._curvature_cache:   # once per layer and step
-            self._curvature_cache[spec.name] = per_example_squared_gradients(
-                spec, self._curvature_batch[spec.name])
-        kernel, bias = self._curvature_cache[spec.name]
-        return tf.cast(kernel if part == "kernel" else bias, gradient.dtype)
+        return tf.cast(self._squared_gradient_mean(index), gradient.dtype)
 
     def _stddev(self, index):
         return self._sampling_stddev(self._slot("fisher", index), self.intrinsic_damping)
@@ -159,6 +132,67 @@ class NoisyAdam(CurvatureConsumer, NoisyOptimizer):
         return {**super().get_config(), "beta_1": self.beta_1, "beta_2": self.beta_2,
                 "extrinsic_damping": self.extrinsic_damping, "hess_init": self.hess_init,
                 "fisher": self.fisher}
+
+
+@_register
+class VOGN(PerExampleOptimizer):
+    """Variational Online Gauss-Newton — eq. 9-10 with the natural momentum of eq. 18 (sec. 4) of
+    Khan et al. 2018 (*Fast and Scalable Bayesian Deep Learning by Weight-Perturbation in Adam*).
+
+    Sampling ``w ~ N(mu, (lambda/N) / (s + gamma_in))`` (the paper's ``sigma^2 = 1/(N (s + lambda~))``
+    with ``lambda~ = gamma_in``); with ``h = (1/B) sum_n g_n^2`` the mean of squared per-example
+    gradients (eq. 9, the Gauss-Newton estimate) and ``g`` the batch-mean gradient::
+
+        s' <- (1 - beta) s + beta h                                                    (eq. 10)
+        mu' <- mu - alpha (g + gamma_in mu) / (s' + gamma) + momentum (s + gamma) / (s' + gamma) (mu - mu_prev)
+
+    (eq. 18) with ``gamma = gamma_in + gamma_ex``. The per-example gradients come from
+    :class:`tfnng.BayesianModel`: Dense/Conv2D layers by the fast path, every other layer by the
+    generic one (:mod:`tfnng.curvature.per_example`). The paper squares gradients of the observed
+    targets (``fisher="empirical"``); tfnng's default is the true Fisher (targets sampled from the
+    predictive, NNG footnote 1), whose fixed point on Bayesian linear regression is the optimal
+    mean-field Gaussian.
+
+    Args:
+        momentum: the natural-momentum coefficient (gamma-bar of eq. 18), in [0, 1).
+
+    See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` (beta, hess_init,
+    extrinsic_damping, fisher) and :class:`~tfnng.optimizers.base.NoisyOptimizer`.
+    """
+
+    _sample_statistic_names = ("grad", "hessian")
+
+    def __init__(self, learning_rate=1e-3, num_examples=None, beta=1e-3, momentum=0.0,
+                 hess_init=1.0, extrinsic_damping=0.0, fisher="true", name="vogn", **kwargs):
+        super().__init__(learning_rate=learning_rate, num_examples=num_examples, beta=beta,
+                         hess_init=hess_init, extrinsic_damping=extrinsic_damping, fisher=fisher,
+                         name=name, **kwargs)
+        self.momentum = _probability("momentum", momentum)
+        self._slots = {"hessian": self.hess_init, "previous_mean": 0.0}
+
+    def _sample_statistics(self, index, gradient, sample):
+        return {"grad": gradient,
+                "hessian": tf.cast(self._squared_gradient_mean(index), gradient.dtype)}
+
+    def _stddev(self, index):
+        return self._sampling_stddev(self._slot("hessian", index), self.intrinsic_damping)
+
+    def _update_posterior(self, index, stats, lr):
+        mu, s = self._means[index], self._slot("hessian", index)
+        previous = self._slot("previous_mean", index)
+        beta = self._beta_now(lr.dtype)
+        damping = self.intrinsic_damping + self.extrinsic_damping
+        new_s = (1 - beta) * s + beta * stats["hessian"]
+        # mu_prev of the first update is mu itself (no momentum yet).
+        velocity = tf.where(self._update_count > 0, mu - previous, tf.zeros_like(mu))
+        step = (lr * (stats["grad"] + self.intrinsic_damping * mu)
+                - self.momentum * (s + damping) * velocity) / (new_s + damping)
+        previous.assign(mu)
+        s.assign(new_s)
+        mu.assign_sub(step)
+
+    def get_config(self):
+        return {**super().get_config(), "momentum": self.momentum}
 
 
 @_register

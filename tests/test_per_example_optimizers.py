@@ -1,0 +1,320 @@
+"""VOGN, SLANG and NNG-full: per-example gradients from the model, NumPy references of the paper
+updates, and the exact Bayesian-linear-regression fixed points.
+
+Bayesian linear regression with known noise s2 and prior N(0, eta I) has the exact posterior
+N(mu*, Lambda^-1), Lambda = X^T X / s2 + I / eta; its optimal mean-field Gaussian is N(mu*, diag(Lambda)^-1)
+(DESIGN.md). The design below has correlated columns, so the two differ.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfnng
+from tfnng.curvature.capture import LayerCapture
+from tfnng.models import gradients_and_curvature
+
+F64 = "float64"
+N, D, NOISE_VAR, ETA = 100, 3, 0.5, 2.0
+GAMMA_IN = 1.0 / (N * ETA)
+
+
+def regression_data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, D)) @ np.array([[1.0, 0.8, 0.0], [0.0, 0.6, 0.5], [0.0, 0.0, 0.7]])
+    y = x @ np.array([0.5, -1.0, 2.0]) + np.sqrt(NOISE_VAR) * rng.normal(size=N)
+    precision = x.T @ x / NOISE_VAR + np.eye(D) / ETA
+    return x, y[:, None], np.linalg.solve(precision, x.T @ y / NOISE_VAR), precision
+
+
+def linear_net():
+    return keras.Sequential([keras.Input((D,), dtype=F64),
+                             keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros",
+                                                dtype=F64)])
+
+
+def make_step(net, optimizer, loss, seed=0, compiled=True):
+    """A hand-written training step (the tape-loop form of BayesianModel.train_step)."""
+    capture = LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    generator = keras.random.SeedGenerator(seed)
+
+    def step(x, y):
+        _, _, grads, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y,
+                                                         seed=generator)
+        optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+
+    return tf.function(step) if compiled else step
+
+
+# ------------------------------------------------------------------ per-example gradients, both paths
+class Wiggle(keras.layers.Layer):
+    """A layer with no fast path."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=input_shape[-1:], initializer="ones", dtype=F64)
+
+    def call(self, x):
+        return tf.sin(x * self.scale)
+
+
+def mixed_net():
+    return keras.Sequential([
+        keras.Input((6, 5, 2), dtype=F64),
+        keras.layers.Conv2D(3, 3, padding="same", activation="tanh", dtype=F64),
+        keras.layers.Flatten(dtype=F64), keras.layers.LayerNormalization(dtype=F64),
+        Wiggle(dtype=F64), keras.layers.Dense(2, dtype=F64)])
+
+
+def test_per_example_gradients_select_fast_and_generic_paths_automatically():
+    """Every variable's per-example gradient, as the optimizer sees it, equals a loop over examples
+    of grad log p(y_i | x_i) — Conv2D/Dense by the fast path, LayerNormalization and a custom layer by
+    the generic one — and the fast path is used exactly for the captured layers."""
+    net = mixed_net()
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
+    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
+    capture = LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    rng = np.random.default_rng(1)
+    x, y = tf.constant(rng.normal(size=(4, 6, 5, 2))), tf.constant(rng.normal(size=(4, 2)))
+    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    optimizer.receive_curvature(curvature)
+    fast = {i for i in range(len(net.trainable_variables)) if i in optimizer._fast_sources}
+    kinds = (keras.layers.Conv2D, keras.layers.Dense)
+    expected_fast = {id(v) for layer in net.layers if isinstance(layer, kinds)
+                     for v in layer.trainable_variables}
+    assert {id(net.trainable_variables[i]) for i in fast} == expected_fast
+    for i, variable in enumerate(net.trainable_variables):
+        expected = []
+        for n in range(4):
+            with tf.GradientTape() as tape:
+                ll = tf.reduce_sum(loss.log_prob(y[n:n + 1], net(x[n:n + 1], training=False)))
+            expected.append(tape.gradient(ll, variable).numpy())
+        np.testing.assert_allclose(optimizer._example_gradients(i).numpy(), np.stack(expected),
+                                   rtol=1e-9, atol=1e-12, err_msg=variable.path)
+        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
+                                   np.mean(np.square(expected), axis=0), rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------- NumPy references, fixed noise
+LR, BETA, GAMMA_EX, H0, KL_WEIGHT = 0.3, 0.2, 0.05, 0.5, 0.7
+B, STEPS = 10, 6
+
+
+def reference_batches():
+    x, y, _, _ = regression_data()
+    return [(x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]) for k in range(STEPS)]
+
+
+def example_gradients(w, x, y):
+    """Empirical Fisher: gradients of log N(y_i | x_i w, s2), one row per example."""
+    return x * ((y[:, 0] - x @ w) / NOISE_VAR)[:, None]
+
+
+def run_optimizer(optimizer, eps):
+    net = linear_net()
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64),
+                     compiled=False)       # eager: the fixed noise is read at every step
+    queue = list(eps)
+    optimizer._standard_normal = lambda shape, dtype: tf.constant(queue.pop(0), dtype)
+    means = []
+    for x, y in reference_batches():
+        step(tf.constant(x), tf.constant(y))
+        means.append(optimizer.posterior_mean(net.trainable_variables[0]).numpy()[:, 0])
+    return np.array(means), optimizer
+
+
+def common_kwargs(**extra):
+    return dict(learning_rate=LR, num_examples=N, prior_variance=ETA, kl_weight=KL_WEIGHT, beta=BETA,
+                hess_init=H0, extrinsic_damping=GAMMA_EX, fisher="empirical", **extra)
+
+
+GAMMA = KL_WEIGHT / (N * ETA)     # intrinsic damping with this kl_weight
+SCALE = KL_WEIGHT / N             # covariance = SCALE * P^-1
+
+
+def test_vogn_equals_numpy_reference_with_natural_momentum():
+    eps = list(np.random.default_rng(2).normal(size=(STEPS, D, 1)))
+    means, optimizer = run_optimizer(tfnng.optimizers.VOGN(momentum=0.6, **common_kwargs()), eps)
+    mu, prev, s, w = np.zeros(D), np.zeros(D), np.full(D, H0), np.zeros(D)
+    expected = []
+    for t, (x, y) in enumerate(reference_batches()):
+        g_i = example_gradients(w, x, y)
+        g, h = -g_i.mean(0), np.mean(g_i ** 2, 0)
+        new_s = (1 - BETA) * s + BETA * h
+        velocity = mu - prev if t > 0 else 0.0
+        new_mu = (mu - LR * (g + GAMMA * mu) / (new_s + GAMMA + GAMMA_EX)
+                  + 0.6 * (s + GAMMA + GAMMA_EX) / (new_s + GAMMA + GAMMA_EX) * velocity)
+        prev, mu, s = mu, new_mu, new_s
+        w = mu + np.sqrt(SCALE / (s + GAMMA)) * eps[t][:, 0]
+        expected.append(mu)
+    np.testing.assert_allclose(means, expected, rtol=1e-6, atol=1e-9)   # lr is float32
+
+
+def test_noisy_natural_gradient_equals_numpy_reference_of_nng_eq_9_10():
+    eps = list(np.random.default_rng(3).normal(size=(STEPS, D)))
+    means, optimizer = run_optimizer(tfnng.optimizers.NoisyNaturalGradient(**common_kwargs()), eps)
+    mu, fisher, w = np.zeros(D), H0 * np.eye(D), np.zeros(D)
+    expected = []
+    for t, (x, y) in enumerate(reference_batches()):
+        g_i = example_gradients(w, x, y)
+        fisher = (1 - BETA) * fisher + BETA * g_i.T @ g_i / B
+        mu = mu - LR * np.linalg.solve(fisher + (GAMMA + GAMMA_EX) * np.eye(D),
+                                       -g_i.mean(0) + GAMMA * w)
+        chol = np.linalg.cholesky(fisher + GAMMA * np.eye(D))
+        w = mu + np.sqrt(SCALE) * np.linalg.solve(chol.T, eps[t])
+        expected.append(mu)
+    np.testing.assert_allclose(means, expected, rtol=1e-6, atol=1e-9)
+    covariance = SCALE * np.linalg.inv(fisher + GAMMA * np.eye(D))
+    np.testing.assert_allclose(optimizer.covariance().numpy(), covariance, rtol=1e-6)
+    np.testing.assert_allclose(optimizer.posterior().covariance().numpy(), covariance, rtol=1e-6)
+    np.testing.assert_allclose(optimizer.posterior_stddev(optimizer._trainable_variables[0]).numpy()[:, 0],
+                               np.sqrt(np.diag(covariance)), rtol=1e-6)
+
+
+def full_vogn_reference(steps_eps):
+    """SLANG eq. 2 (full-Gaussian VOGN) in tfnng's units, prior term at the mean (Alg. 1, line 11)."""
+    mu, precision, w = np.zeros(D), (H0 + GAMMA) * np.eye(D), np.zeros(D)
+    means, precisions = [], []
+    for t, (x, y) in enumerate(reference_batches()):
+        g_i = example_gradients(w, x, y)
+        precision = (1 - BETA) * precision + BETA * (g_i.T @ g_i / B + GAMMA * np.eye(D))
+        mu = mu - LR * np.linalg.solve(precision + GAMMA_EX * np.eye(D), -g_i.mean(0) + GAMMA * mu)
+        w = mu.copy() if steps_eps is None else mu + steps_eps(t, precision)
+        means.append(mu)
+        precisions.append(precision)
+    return np.array(means), precisions
+
+
+def test_slang_with_full_rank_equals_full_gaussian_vogn():
+    """L = D: no eigenvalue is discarded, so SLANG is the full-Gaussian VOGN update (SLANG eq. 2).
+    With zero noise the samples are the means and both runs see the same gradients."""
+    means, optimizer = run_optimizer(tfnng.optimizers.SLANG(rank=D, **common_kwargs()),
+                                     [np.zeros(D)] * STEPS)
+    expected_means, precisions = full_vogn_reference(None)
+    np.testing.assert_allclose(means, expected_means, rtol=1e-6, atol=1e-9)
+    low_rank, diagonal = optimizer.precision_factors()
+    np.testing.assert_allclose(low_rank.numpy() @ low_rank.numpy().T + np.diag(diagonal.numpy()),
+                               precisions[-1] / SCALE, rtol=1e-6)
+    np.testing.assert_allclose(optimizer.posterior().covariance().numpy(),
+                               SCALE * np.linalg.inv(precisions[-1]), rtol=1e-6)
+    np.testing.assert_allclose(float(optimizer.kl_divergence()), kl_dense(
+        expected_means[-1], SCALE * np.linalg.inv(precisions[-1])), rtol=1e-6)
+
+
+def kl_dense(mean, covariance):
+    d = len(mean)
+    return 0.5 * (np.trace(covariance) / ETA + mean @ mean / ETA - d + d * np.log(ETA)
+                  - np.linalg.slogdet(covariance)[1])
+
+
+def test_slang_keeps_the_precision_diagonal_exact_after_every_step():
+    """Rank 1 < D: diag(U U^T + diag d) equals the diagonal of the full update it approximates,
+    ``(1 - beta) P_prev + beta (G^T G / B + gamma_in I)``, after every step (SLANG eq. 8-10)."""
+    optimizer = tfnng.optimizers.SLANG(rank=1, **common_kwargs())
+    net = linear_net()
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64))
+    for x, y in reference_batches():
+        low_rank, diagonal = (v.numpy() for v in (optimizer._low_rank, optimizer._diagonal))
+        previous = low_rank @ low_rank.T + np.diag(diagonal)
+        w = net.trainable_variables[0].numpy()[:, 0]
+        g_i = example_gradients(w, x, y)
+        target = (1 - BETA) * previous + BETA * (g_i.T @ g_i / B + GAMMA * np.eye(D))
+        step(tf.constant(x), tf.constant(y))
+        low_rank, diagonal = (v.numpy() for v in (optimizer._low_rank, optimizer._diagonal))
+        np.testing.assert_allclose(np.diag(low_rank @ low_rank.T) + diagonal, np.diag(target),
+                                   rtol=1e-10)
+        assert low_rank.shape == (D, 1)
+
+
+# ---------------------------------------------------------- exact Bayesian-linear-regression targets
+def fit_blr(optimizer, steps=1500):
+    """Full-batch training with the true Fisher; the step size drops tenfold for the last third."""
+    x, y, mu_star, precision = regression_data()
+    net = linear_net()
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64), seed=4)
+    x, y = tf.constant(x), tf.constant(y)
+    for _ in range(steps):
+        step(x, y)
+    mean = optimizer.posterior_mean(net.trainable_variables[0]).numpy()[:, 0]
+    return mean, mu_star, precision, net
+
+
+def blr_optimizer(cls, **kwargs):
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1000], [0.2, 0.02])
+    return cls(learning_rate=schedule, num_examples=N, prior_variance=ETA, beta=0.01, hess_init=1.0,
+               seed=5, **kwargs)
+
+
+def test_vogn_fixed_point_is_the_optimal_mean_field_gaussian():
+    optimizer = blr_optimizer(tfnng.optimizers.VOGN)
+    mean, mu_star, precision, net = fit_blr(optimizer)
+    std = optimizer.posterior_stddev(net.trainable_variables[0]).numpy()[:, 0]
+    # Tolerances: the precision is an EMA (beta = 0.01) of a 100-example Monte Carlo estimate, whose
+    # relative noise is about sqrt(2/N) * sqrt(beta/2) = 1%: 5% leaves room. The mean fluctuates
+    # by about sqrt(lr/2) = 0.1 posterior standard deviations at the final step size.
+    np.testing.assert_allclose(1 / std ** 2, np.diag(precision), rtol=0.05)
+    assert np.all(np.abs(mean - mu_star) < 0.3 * np.sqrt(1 / np.diag(precision)))
+    # And it is not the exact posterior: the exact marginal variances are larger.
+    assert np.all(std ** 2 < 0.9 * np.diag(np.linalg.inv(precision)))
+
+
+@pytest.mark.parametrize("cls, kwargs", [(tfnng.optimizers.NoisyNaturalGradient, {}),
+                                         (tfnng.optimizers.SLANG, {"rank": D})])
+def test_full_covariance_fixed_point_is_the_exact_posterior(cls, kwargs):
+    optimizer = blr_optimizer(cls, **kwargs)
+    mean, mu_star, precision, _ = fit_blr(optimizer)
+    covariance = optimizer.posterior().covariance().numpy()
+    # Same tolerances as above, on the whole precision matrix (relative to its diagonal).
+    scale = np.sqrt(np.outer(np.diag(precision), np.diag(precision)))
+    np.testing.assert_allclose(np.linalg.inv(covariance) / scale, precision / scale, atol=0.05)
+    exact_std = np.sqrt(np.diag(np.linalg.inv(precision)))
+    assert np.all(np.abs(mean - mu_star) < 0.3 * exact_std)
+
+
+# ----------------------------------------------------------------------------- Keras integration
+@pytest.mark.parametrize("make", [
+    lambda n: tfnng.optimizers.VOGN(1e-2, num_examples=n, hess_init=1.0, beta=0.1, seed=1),
+    lambda n: tfnng.optimizers.SLANG(1e-2, num_examples=n, rank=2, hess_init=1.0, beta=0.1, seed=1),
+    lambda n: tfnng.optimizers.NoisyNaturalGradient(1e-2, num_examples=n, hess_init=1.0, beta=0.1,
+                                                    seed=1)])
+def test_fit_predict_with_layers_without_fast_path(make):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [-2.0], [0.5]]) + 0.3 * rng.normal(size=(64, 1))).astype("float32")
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                            keras.layers.LayerNormalization(), keras.layers.Dense(1),
+                            tfnng.layers.NoisePrecision(64)])
+    model = tfnng.BayesianModel(net)
+    optimizer = make(64)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance="learned"))
+    history = model.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert {"loss", "nll", "kl"} <= set(history.history)
+    prediction = tfnng.predict(model, x[:5], num_samples=8)
+    assert np.all(np.isfinite(prediction.mean))
+    restored = type(optimizer).from_config(optimizer.get_config())
+    assert restored.get_config() == optimizer.get_config()
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="num_examples"):
+        tfnng.optimizers.VOGN(1e-3)
+    with pytest.raises(ValueError, match="beta"):
+        tfnng.optimizers.SLANG(1e-3, num_examples=10, beta=1.5)
+    with pytest.raises(ValueError, match="mc_samples"):
+        tfnng.optimizers.SLANG(1e-3, num_examples=10, mc_samples=2)
+    with pytest.raises(ValueError, match="fisher"):
+        tfnng.optimizers.NoisyNaturalGradient(1e-3, num_examples=10, fisher="hessian")
+    net = keras.Sequential([keras.Input((200,)), keras.layers.Dense(60)])
+    optimizer = tfnng.optimizers.NoisyNaturalGradient(1e-3, num_examples=10)
+    optimizer.prepare_curvature(LayerCapture(net).specs)
+    with pytest.raises(ValueError, match="max_parameters"):
+        optimizer.build(net.trainable_variables)
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile(optimizer=tfnng.optimizers.SLANG(1e-3, num_examples=10), loss="mse")
+    with pytest.raises(ValueError, match="BayesianModel"):
+        plain.fit(np.zeros((4, 3)), np.zeros((4, 1)), verbose=0)

@@ -1,0 +1,160 @@
+"""The mechanism of the families whose covariance couples all weights (SLANG, NNG-full).
+
+Their posterior ``q(w) = N(mu, (lambda/N) P^-1)`` lives on one flat vector of length D: the Bayesian
+variables of the model, flattened and concatenated in the order of ``model.trainable_variables``
+(point-estimated variables, e.g. ``NoisePrecision``'s, keep their plain Adam step). ``P`` is the
+damped curvature ``F_bar + gamma_in I`` in per-example units (NNG eq. 9; SLANG eq. 2 divided by N):
+each family stores it in its own structure. Per step the family gets the batch-mean gradient ``g``,
+the current sample ``w`` and the matrix ``G`` (B, D) of per-example log-likelihood gradients from
+:class:`tfnng.BayesianModel` (fast path for Dense/Conv2D, generic path for every other layer).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfnng.optimizers._per_example import PerExampleOptimizer
+
+
+class FlatPosteriorOptimizer(PerExampleOptimizer):
+    """Base class of :class:`~tfnng.optimizers.SLANG` and :class:`~tfnng.optimizers.NoisyNaturalGradient`.
+
+    Subclasses implement ``_build_posterior(dimension, dtype)``, ``_curvature_statistic(G)`` (the
+    per-step curvature estimate from the (B, D) per-example gradients, averaged over ``mc_samples``
+    when it has a fixed shape), ``_update_flat(mean, grad, weight, curvature, lr, beta)`` (returns the
+    new mean), ``sampling_state()`` and ``perturb(state, eps)`` (a draw of ``N(0, P^-1)`` from
+    ``eps ~ N(0, I)``), ``_marginal_variances()`` (``diag(P^-1)``), ``_kl(mean)`` and
+    ``_distribution(mean)``.
+
+    See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` for ``beta``, ``hess_init``
+    (``P_0 = (hess_init + gamma_in) I``), ``extrinsic_damping`` and ``fisher``.
+    """
+
+    _sample_statistic_names = ()
+
+    # ---------------------------------------------------------------------------------------- state
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._flat_indices = [i for i, point in enumerate(self._point) if not point]
+        if not self._flat_indices:
+            raise ValueError(f"{type(self).__name__}: the model has no Bayesian variables.")
+        self._sizes = [int(np.prod(variables[i].shape)) for i in self._flat_indices]
+        self.dimension = sum(self._sizes)
+        dtype = variables[self._flat_indices[0]].dtype
+        self._build_posterior(self.dimension, dtype)
+        if self.mc_samples > 1:
+            self._mc_sums = {
+                "grad": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_grad"),
+                "weight": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_weight"),
+                "curvature": self.add_variable(self._curvature_shape(self.dimension), "zeros",
+                                               dtype, name="mc_sum_curvature")}
+
+    def _curvature_shape(self, dimension):
+        raise ValueError(f"{type(self).__name__} does not support mc_samples > 1.")
+
+    @property
+    def _covariance_scale(self):
+        """lambda / N: the covariance is ``(lambda/N) P^-1`` (NNG eq. 9)."""
+        return self.kl_weight / self.num_examples
+
+    def _flatten(self, tensors, dtype):
+        return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], axis=0)
+
+    def _unflatten(self, vector):
+        parts = tf.split(vector, self._sizes)
+        return {i: tf.reshape(p, self._trainable_variables[i].shape)
+                for i, p in zip(self._flat_indices, parts)}
+
+    def _flat_mean(self):
+        return self._flatten([self._means[i] for i in self._flat_indices], self._means[
+            self._flat_indices[0]].dtype)
+
+    def _example_gradient_matrix(self, dtype):
+        """``G`` (B, D): row n is example n's log-likelihood gradient (SLANG Alg. 1, line 6)."""
+        rows = [self._example_gradients(i) for i in self._flat_indices]
+        return tf.concat([tf.reshape(tf.cast(r, dtype), [tf.shape(r)[0], -1]) for r in rows], axis=1)
+
+    # --------------------------------------------------------------------------------- update step
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        finite, apply_now = self._step_flags
+        dtype = self._means[self._flat_indices[0]].dtype
+        lr = tf.cast(learning_rate, dtype)
+        # Keras drops variables without gradient from the lists: align by variable index.
+        given = {self._get_variable_index(v): g for g, v in zip(grads, trainable_variables)}
+        for i, gradient in given.items():
+            if self._point[i]:
+                variable = self._trainable_variables[i]
+                tf.cond(finite, lambda i=i, g=tf.cast(gradient, variable.dtype), v=variable:
+                        self._point_update(i, g, v, tf.cast(learning_rate, v.dtype)),
+                        lambda: tf.constant(False))
+        flat_grads = [given[i] if i in given else tf.zeros_like(self._means[i])
+                      for i in self._flat_indices]
+        stats = {
+            "grad": self._flatten(flat_grads, dtype),
+            "weight": self._flatten([self._trainable_variables[i] for i in self._flat_indices], dtype),
+            "curvature": self._curvature_statistic(self._example_gradient_matrix(dtype))}
+        if self.mc_samples > 1:
+            stats = self._accumulate_flat(stats, finite, apply_now)
+
+        def update():
+            mean = self._update_flat(self._flat_mean(), stats["grad"], stats["weight"],
+                                     stats["curvature"], lr, self._beta_now(dtype))
+            for i, value in self._unflatten(mean).items():
+                self._means[i].assign(value)
+            return tf.constant(True)
+
+        tf.cond(apply_now, update, lambda: tf.constant(False))
+        self._write_sample()
+
+    def _accumulate_flat(self, stats, finite, apply_now):
+        averages = {}
+        for name, value in stats.items():
+            total = self._mc_sums[name] + value
+            averages[name] = total / self.mc_samples
+            self._mc_sums[name].assign(
+                tf.where(apply_now, tf.zeros_like(total), tf.where(finite, total, self._mc_sums[name])))
+        return averages
+
+    def sampling_state(self):
+        """The tensors that determine the sampler ``perturb`` (what tfnng.serving exports)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def perturb(state, standard_normal):
+        """A draw of ``N(0, P^-1)`` from ``standard_normal`` given ``sampling_state()``."""
+        raise NotImplementedError
+
+    def _write_sample(self):
+        mean = self._flat_mean()
+        eps = self._standard_normal(mean.shape, mean.dtype)
+        sample = mean + tf.sqrt(tf.cast(self._covariance_scale, mean.dtype)) * self.perturb(
+            self.sampling_state(), eps)
+        for i, value in self._unflatten(sample).items():
+            self._trainable_variables[i].assign(value)
+
+    # ---------------------------------------------------------------------------- posterior access
+    def sample_weights(self):
+        """Write a fresh posterior sample into the model's variables."""
+        self._require_built()
+        self._write_sample()
+
+    def _stddev(self, index):
+        variances = self._covariance_scale * self._marginal_variances()
+        return self._unflatten(tf.sqrt(variances))[index]
+
+    def kl_divergence(self):
+        """KL(q || N(0, eta I)) of the whole flat posterior in closed form."""
+        self._require_built()
+        return self._kl(self._flat_mean())
+
+    def posterior(self):
+        """The posterior over the flat vector of Bayesian variables (``posterior_layout`` orders it)."""
+        self._require_built()
+        return self._distribution(self._flat_mean())
+
+    def posterior_layout(self):
+        """``[(variable path, shape), ...]``: how the flat posterior vector maps onto the model."""
+        self._require_built()
+        return [(self._trainable_variables[i].path, tuple(self._trainable_variables[i].shape))
+                for i in self._flat_indices]

@@ -1,0 +1,111 @@
+"""SLANG: low-rank-plus-diagonal Gaussian posteriors by natural gradient."""
+
+import keras
+import tensorflow as tf
+import tensorflow_probability as tfp
+
+from tfnng.optimizers._flat import FlatPosteriorOptimizer
+from tfnng.optimizers.base import _positive_int
+from tfnng.posteriors import low_rank as _low_rank
+
+
+@keras.saving.register_keras_serializable(package="tfnng")
+class SLANG(FlatPosteriorOptimizer):
+    """SLANG — Alg. 1 of Mishkin et al. 2018 (*SLANG: Fast Structured Covariance Approximations for
+    Bayesian Deep Learning with Natural Gradient*), in tfnng's per-example units.
+
+    ``q(w) = N(mu, (lambda/N) (U U^T + diag d)^-1)``, ``U`` of shape (D, L). With ``G`` the (B, D)
+    per-example log-likelihood gradients and ``g`` their batch mean, each update approximates the
+    full-Gaussian VOGN step (SLANG eq. 2) ``P <- (1 - beta) P + beta (G^T G / B + gamma_in I)``:
+
+        U, d <- top-L eigenpairs of (1 - beta) U U^T + beta G^T G / B, with the diagonal correction
+                that keeps diag(P) exact                               (Alg. 1, lines 7-10; eq. 8-10)
+        mu <- mu - alpha (U U^T + diag(d) + gamma_ex I)^-1 (g + gamma_in mu)      (lines 11-13)
+
+    and samples ``w = mu + sqrt(lambda/N) fast_sample(U, d)`` (Alg. 3). SLANG's own scale (sums over
+    the data set, prior precision lambda_p) is this one multiplied by N; ``gamma_in = lambda_p / N``.
+    Everything costs O(D L^2 + D L B) per step, never a D x D matrix (:mod:`tfnng.posteriors.low_rank`).
+    With L = D the update is exact: SLANG equals full-Gaussian VOGN.
+
+    Args:
+        rank: L, the number of low-rank columns (1 <= L <= D).
+        oversampling, power_iterations: of the randomised eigendecomposition (fast_eig, Alg. 1 line 7).
+
+    See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` (beta, hess_init,
+    extrinsic_damping, fisher: the paper uses the empirical Fisher) and
+    :class:`~tfnng.optimizers.base.NoisyOptimizer`. ``mc_samples`` must be 1.
+    """
+
+    def __init__(self, learning_rate=1e-3, num_examples=None, rank=1, beta=1e-3, hess_init=1.0,
+                 extrinsic_damping=0.0, fisher="true", oversampling=_low_rank.DEFAULT_OVERSAMPLING,
+                 power_iterations=_low_rank.DEFAULT_POWER_ITERATIONS, name="slang", **kwargs):
+        super().__init__(learning_rate=learning_rate, num_examples=num_examples, beta=beta,
+                         hess_init=hess_init, extrinsic_damping=extrinsic_damping, fisher=fisher,
+                         name=name, **kwargs)
+        if self.mc_samples != 1:
+            raise ValueError(
+                "SLANG updates its low-rank factor from the per-example gradients of one weight "
+                f"sample per step; mc_samples must be 1, got {self.mc_samples}.")
+        self.rank = _positive_int("rank", rank)
+        self.oversampling = int(oversampling)
+        self.power_iterations = int(power_iterations)
+
+    def _build_posterior(self, dimension, dtype):
+        if self.rank > dimension:
+            raise ValueError(f"SLANG: `rank` ({self.rank}) exceeds the number of Bayesian weights "
+                             f"({dimension}).")
+        self._low_rank = self.add_variable((dimension, self.rank), "zeros", dtype, name="low_rank")
+        d0 = self.hess_init + self.intrinsic_damping
+        self._diagonal = self.add_variable(
+            (dimension,), lambda shape, dtype: tf.fill(shape, tf.constant(d0, dtype)), dtype,
+            name="diagonal")
+
+    def _curvature_statistic(self, gradients):
+        """Columns ``g_n / sqrt(B)``, so that their outer products sum to ``G^T G / B``."""
+        batch = tf.cast(tf.shape(gradients)[0], gradients.dtype)
+        return tf.transpose(gradients) / tf.sqrt(batch)
+
+    def _update_flat(self, mean, grad, weight, curvature, lr, beta):
+        low_rank, diagonal = _low_rank.update(
+            self._low_rank, self._diagonal, curvature, beta, self.intrinsic_damping,
+            oversampling=self.oversampling, power_iterations=self.power_iterations,
+            seed=self._seed_generator)
+        self._low_rank.assign(low_rank)
+        self._diagonal.assign(diagonal)
+        direction = _low_rank.fast_inverse(low_rank, diagonal + self.extrinsic_damping,
+                                           grad + self.intrinsic_damping * mean)
+        return mean - lr * direction
+
+    def sampling_state(self):
+        return {"low_rank": tf.convert_to_tensor(self._low_rank),
+                "diagonal": tf.convert_to_tensor(self._diagonal)}
+
+    @staticmethod
+    def perturb(state, standard_normal):
+        return _low_rank.fast_sample(state["low_rank"], state["diagonal"], standard_normal)
+
+    def _marginal_variances(self):
+        return _low_rank.marginal_variances(self._low_rank, self._diagonal)
+
+    def _scaled_factors(self):
+        """``(U, d)`` of the posterior precision ``(N/lambda) (U U^T + diag d)``."""
+        scale = tf.cast(self._covariance_scale, self._diagonal.dtype)
+        return self._low_rank / tf.sqrt(scale), self._diagonal / scale
+
+    def _kl(self, mean):
+        low_rank, diagonal = self._scaled_factors()
+        return _low_rank.kl_to_isotropic_prior(mean, low_rank, diagonal, self.prior_variance)
+
+    def _distribution(self, mean):
+        low_rank, diagonal = self._scaled_factors()
+        return tfp.distributions.MultivariateNormalLinearOperator(
+            loc=mean, scale=_low_rank.covariance_root(low_rank, diagonal))
+
+    def precision_factors(self):
+        """``(U, d)`` with posterior precision ``U U^T + diag(d)`` (flat layout: ``posterior_layout``)."""
+        self._require_built()
+        return self._scaled_factors()
+
+    def get_config(self):
+        return {**super().get_config(), "rank": self.rank, "oversampling": self.oversampling,
+                "power_iterations": self.power_iterations}
