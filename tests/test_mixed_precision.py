@@ -1,0 +1,159 @@
+"""Mixed precision (``keras.mixed_precision`` "mixed_float16" / "mixed_bfloat16"): the posterior state
+and the curvature statistics stay in float32, training follows the float32 run, and Keras's
+LossScaleOptimizer wrapper (mixed_float16) is seen through by BayesianModel, predict and callbacks."""
+
+import functools
+
+import numpy as np
+import pytest
+import keras
+
+import tfnng
+from tfnng import callbacks
+
+POLICIES = ["mixed_float16", "mixed_bfloat16"]
+# Largest allowed deviation from the float32 run, relative to how far the float32 run moved the
+# posterior mean from its initial value (bfloat16 keeps 8 mantissa bits, float16 11).
+TOLERANCE = {"mixed_float16": 0.01, "mixed_bfloat16": 0.05}
+N = 1000                                  # num_examples: a posterior narrow enough to compare runs
+
+
+@pytest.fixture(params=POLICIES)
+def policy(request):
+    """Sets the global dtype policy for the test and restores the previous one afterwards."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(request.param)
+    try:
+        yield request.param
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (np.sin(x[:, :1]) + 0.5 * x[:, 1:2]).astype("float32")
+    labels = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    return x, y, labels
+
+
+def make_optimizer(kind, fisher=None):
+    if kind == "noisy_adam":
+        return tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=N, hess_init=1.0, seed=0)
+    if kind == "ivon":
+        return tfnng.optimizers.IVON(learning_rate=0.05, num_examples=N, seed=0)
+    return tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=N, stats_every=1,
+                                      inverse_every=2, fisher=fisher, seed=0)
+
+
+def train(kind, fisher=None, loss_scale=None):
+    """8 steps under the current global policy; returns (net, optimizer, initial weights, history).
+
+    ``loss_scale``: the initial scale of an explicit LossScaleOptimizer (mixed_float16); Keras's
+    default (2**15) overflows float16 in the first steps, whose updates it then drops, so a run
+    compared step by step with float32 starts from a small scale.
+    """
+    keras.utils.set_random_seed(0)
+    x, y, labels = data()
+    outputs = 2 if kind == "kfac" else 1
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Dense(outputs, dtype="float32")])
+    initial = [v.numpy() for v in net.trainable_variables]
+    optimizer = make_optimizer(kind, fisher)
+    compiled = (optimizer if loss_scale is None else
+                keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=loss_scale))
+    if kind == "kfac":
+        model, loss, targets = tfnng.BayesianModel(net), tfnng.losses.CategoricalNLL(), labels
+    else:
+        model, loss, targets = net, tfnng.losses.GaussianNLL(noise_variance=0.5), y
+    model.compile(optimizer=compiled, loss=loss)
+    history = model.fit(x, targets, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return net, optimizer, initial, history.history
+
+
+@functools.lru_cache(maxsize=None)
+def float32_run(kind, fisher=None):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        net, optimizer, initial, _ = train(kind, fisher)
+        means = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
+        factors = [b.state["s"].numpy() for b in getattr(optimizer, "_blocks", [])]
+        return initial, means, factors
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def assert_float32_state(optimizer):
+    """Means, slots and Kronecker factors in float32 (the K-FAC KL offsets are float64 scalars)."""
+    dtypes = {v.path: str(v.dtype) for v in optimizer.variables}
+    assert not [p for p, d in dtypes.items() if d in ("float16", "bfloat16")], dtypes
+    assert all(str(m.dtype) == "float32" for m in optimizer._means)
+    for block in getattr(optimizer, "_blocks", []):
+        for name in ("a", "s", "a_inv", "s_inv", "a_root", "s_root"):
+            assert str(block.state[name].dtype) == "float32", name
+
+
+def assert_follows_float32_run(policy, optimizer, net, reference):
+    initial, means, _ = reference
+    moved = max(np.abs(m - i).max() for m, i in zip(means, initial))
+    deviation = max(np.abs(optimizer.posterior_mean(v).numpy() - m).max()
+                    for v, m in zip(net.trainable_variables, means))
+    assert moved > 0.05                     # the comparison is not between two unmoved starts
+    assert deviation <= TOLERANCE[policy] * moved, (deviation, moved)
+
+
+@pytest.mark.parametrize("kind", ["noisy_adam", "ivon"])
+def test_diagonal_optimizers_under_mixed_precision(policy, kind):
+    reference = float32_run(kind)
+    loss_scale = 16.0 if policy == "mixed_float16" else None
+    net, optimizer, _, history = train(kind, loss_scale=loss_scale)
+    assert str(net.layers[0].compute_dtype) == policy.split("_")[1]      # really mixed
+    assert np.isfinite(history["loss"]).all()
+    assert int(optimizer._update_count.numpy()) == 8 and optimizer.skipped_updates == 0
+    assert_float32_state(optimizer)
+    assert_follows_float32_run(policy, optimizer, net, reference)
+
+
+@pytest.mark.parametrize("fisher", ["true", "empirical"])
+def test_noisy_kfac_bayesian_model_under_mixed_precision(policy, fisher):
+    reference = float32_run("kfac", fisher)
+    loss_scale = 16.0 if policy == "mixed_float16" else None
+    net, optimizer, _, history = train("kfac", fisher, loss_scale=loss_scale)
+    assert np.isfinite(history["loss"]).all() and np.isfinite(history["kl"]).all()
+    assert int(optimizer._stats_count.numpy()) == 8 and optimizer.skipped_updates == 0
+    assert_float32_state(optimizer)
+    assert_follows_float32_run(policy, optimizer, net, reference)
+    # S comes from the (float16/bfloat16) pre-activation gradients; with a loss scale of 16 an
+    # unscaled empirical Fisher would be 256 times too large.
+    for block, s_reference in zip(optimizer._blocks, reference[2]):
+        s = block.state["s"].numpy()
+        assert np.abs(s - s_reference).max() <= TOLERANCE[policy] * np.abs(s_reference).max()
+
+
+def test_keras_loss_scale_wrapper_is_seen_through(tmp_path):
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(1)
+        x, _, labels = data()
+        net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                                keras.layers.Dense(2, dtype="float32")])
+        optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=len(x),
+                                               stats_every=1, inverse_every=2, seed=1)
+        model = tfnng.BayesianModel(net)
+        model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+        history = model.fit(x, labels, batch_size=16, epochs=2, verbose=0, callbacks=[
+            callbacks.PredictiveValidation(x, labels, num_samples=4),
+            callbacks.PosteriorTensorBoard(tmp_path)]).history
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.optimizer.inner_optimizer is optimizer
+    assert int(optimizer._update_count.numpy()) > 0
+    np.testing.assert_allclose(history["kl"][-1], float(optimizer.kl_divergence()) / len(x),
+                               rtol=0.5)            # the epoch's mean of a slowly moving value
+    assert history["kl"][-1] > 0 and np.isfinite(history["val_pred_nll"]).all()
+    prediction = tfnng.predict(model, x[:8], num_samples=6, return_samples=True)
+    assert np.ptp(prediction.samples, axis=0).max() > 0       # posterior samples, not one point
+    assert any(path.name.startswith("events.out.tfevents") for path in tmp_path.iterdir())
