@@ -1,0 +1,362 @@
+"""tfnng.serving.export: SavedModels with in-graph posterior sampling, loaded in a fresh Python process
+(without tfnng), inspected with saved_model_cli, checked against tfnng.predict within Monte Carlo
+error, seeds, bad arguments and the tutorial's smoke run."""
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfnng
+from tfnng import serving
+
+NUM_SAMPLES = 200
+SEED_A, SEED_B = [3, 14], [15, 92]
+REGRESSION_OUTPUTS = ("mean", "variance", "epistemic_variance", "aleatoric_variance", "samples")
+CLASSIFIER_OUTPUTS = ("probabilities", "mean", "variance", "samples")
+
+
+def regression_model():
+    """NoisyAdam on a 3-8-1 tanh net with a learned Gamma noise precision (point-estimated)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = (np.sin(x[:, :1]) + x[:, 1:2] + 0.1 * rng.normal(size=(64, 1))).astype("float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1), tfnng.layers.NoisePrecision(len(x))])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=1e-2, num_examples=len(x),
+                                                       seed=0),
+                  loss=tfnng.losses.GaussianNLL("learned"))
+    model.fit(x, y, batch_size=16, epochs=5, verbose=0)
+    return model, x[:6]
+
+
+def classifier_model():
+    """NoisyKFAC through BayesianModel, covering every sampler: a Dense on rank-3 inputs (matrix-
+    variate), a block-tridiagonal chain of two Dense layers, BatchNormalization (diagonal fallback,
+    and non-trainable moving statistics)."""
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 2, 3)).astype("float32")
+    flat = x.reshape(len(x), -1)
+    y = (flat[:, 0] + flat[:, 1] - flat[:, 2] > 0).astype("int32") + (flat[:, 3] > 1)
+    net = keras.Sequential([keras.Input((2, 3)), keras.layers.Dense(4, activation="relu"),
+                            keras.layers.Flatten(), keras.layers.BatchNormalization(),
+                            keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    model = tfnng.BayesianModel(net)
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=len(x), stats_every=1,
+                                           inverse_every=3, block_tridiagonal=True, seed=1)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL(), jit_compile=False)
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert [len(chain) for chain in optimizer._chains] == [2] and len(optimizer._blocks) == 3
+    assert optimizer._fallback                                     # BatchNormalization's gamma, beta
+    return model, x[:6]
+
+
+def _state(model):
+    """Values of the model's and its optimizer's variables."""
+    return [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Both models exported (under a global seed, which must not make fresh samples repeat), and
+    whether exporting left the model and its optimizer untouched."""
+    root = tmp_path_factory.mktemp("exports")
+    models = {"regression": (regression_model(), {"outputs": REGRESSION_OUTPUTS}),
+              "classifier": (classifier_model(), {"outputs": CLASSIFIER_OUTPUTS})}
+    result = {}
+    for name, ((model, x), options) in models.items():
+        before = _state(model)
+        serving.export(model, root / name, num_samples=NUM_SAMPLES, **options)
+        untouched = all(np.array_equal(a, b) for a, b in zip(before, _state(model)))
+        result[name] = SimpleNamespace(model=model, x=x, path=root / name, untouched=untouched)
+    return result
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    spec = json.loads(sys.argv[1])
+    results = {}
+    for name, (path, x) in spec["models"].items():
+        x = np.asarray(x, np.float32)
+        model, reloaded = tf.saved_model.load(path), tf.saved_model.load(path)
+        seeded, fresh = model.signatures["seeded"], model.signatures["serving_default"]
+        run = lambda fn, **kw: {k: v.numpy() for k, v in fn(inputs=tf.constant(x), **kw).items()}
+        seed_a, seed_b = (tf.constant(s, tf.int64) for s in (spec["seed_a"], spec["seed_b"]))
+        calls = {"a1": run(seeded, seed=seed_a), "a2": run(seeded, seed=seed_a),
+                 "b": run(seeded, seed=seed_b), "fresh1": run(fresh), "fresh2": run(fresh),
+                 "fresh_reloaded": run(reloaded.signatures["serving_default"])}
+        for call, outputs in calls.items():
+            for key, value in outputs.items():
+                results[f"{name}/{call}/{key}"] = value
+    assert "tfnng" not in sys.modules, "the SavedModel needs tfnng"
+    np.savez(spec["out"], **results)
+""")
+
+
+@pytest.fixture(scope="module")
+def served(exported, tmp_path_factory):
+    """Outputs of the exported signatures, called in a fresh Python process that must not need tfnng."""
+    work = tmp_path_factory.mktemp("child")
+    spec = {"models": {name: [str(e.path), e.x.tolist()] for name, e in exported.items()},
+            "seed_a": SEED_A, "seed_b": SEED_B, "out": str(work / "served.npz")}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], cwd=work, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(work / "served.npz") as data:
+        return dict(data)
+
+
+def _outputs(served, name, call):
+    prefix = f"{name}/{call}/"
+    return {k[len(prefix):]: v for k, v in served.items() if k.startswith(prefix)}
+
+
+# ------------------------------------------------------------------------------- saved_model_cli
+def _saved_model_cli():
+    beside = Path(sys.executable).parent / "saved_model_cli"
+    return str(beside) if beside.exists() else shutil.which("saved_model_cli")
+
+
+def _signature_defs(text):
+    """``{signature: {"inputs"|"outputs": {name: (dtype, shape)}}}`` from ``saved_model_cli show --all``."""
+    signatures = {}
+    for block in re.split(r"\nsignature_def\['", text)[1:]:
+        name = block.split("'", 1)[0]
+        signatures[name] = {"inputs": {}, "outputs": {}}
+        for kind, key, dtype, shape in re.findall(
+                r"(inputs|outputs)\['(\w+)'\] tensor_info:\s+dtype: (\w+)\s+shape: ([^\n]+)", block):
+            signatures[name][kind][key] = (dtype, shape.strip())
+    return signatures
+
+
+@pytest.mark.parametrize("name", ["regression", "classifier"])
+def test_saved_model_cli_lists_both_signatures_with_names_dtypes_and_shapes(exported, name):
+    model, path = exported[name].model, exported[name].path
+    cli = _saved_model_cli()
+    assert cli, "saved_model_cli (installed with tensorflow) not found beside the interpreter"
+    done = subprocess.run([cli, "show", "--all", "--dir", str(path)], capture_output=True,
+                          text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    signatures = _signature_defs(done.stdout)
+    features = ", ".join(str(d) for d in model.input_shape[1:])
+    width = 1 if name == "regression" else 3                      # d outputs or K classes
+    names = REGRESSION_OUTPUTS if name == "regression" else CLASSIFIER_OUTPUTS
+    expected_outputs = {key: ("DT_FLOAT", f"(-1, {NUM_SAMPLES}, {width})" if key == "samples"
+                              else f"(-1, {width})") for key in names}
+    inputs = {"inputs": ("DT_FLOAT", f"(-1, {features})")}
+    assert signatures["serving_default"] == {"inputs": inputs, "outputs": expected_outputs}
+    assert signatures["seeded"] == {"inputs": {**inputs, "seed": ("DT_INT64", "(2)")},
+                                    "outputs": expected_outputs}
+
+
+# ------------------------------------------------------------------------------------- seeds
+@pytest.mark.parametrize("name", ["regression", "classifier"])
+def test_same_seed_reproduces_and_other_or_no_seed_draws_fresh_samples(served, name):
+    a1, a2, b = (_outputs(served, name, call) for call in ("a1", "a2", "b"))
+    fresh = [_outputs(served, name, call)["samples"] for call in ("fresh1", "fresh2",
+                                                                  "fresh_reloaded")]
+    for key in a1:
+        np.testing.assert_array_equal(a1[key], a2[key])
+    draws = [a1["samples"], b["samples"]] + fresh
+    for i in range(len(draws)):
+        for j in range(i):
+            # every weight sample differs (not only some): the seeds are really independent
+            assert np.all(np.any(draws[i] != draws[j], axis=(0, 2))), (i, j)
+
+
+# ------------------------------------------------------------------------ moments vs tfnng.predict
+def _mean_tolerance(samples_a, samples_b, axis_a, axis_b, z=5.0):
+    """z standard errors of the difference of two independent Monte Carlo means."""
+    return z * np.sqrt(samples_a.var(axis=axis_a) / samples_a.shape[axis_a]
+                       + samples_b.var(axis=axis_b) / samples_b.shape[axis_b])
+
+
+def _variance_standard_error(samples, axis):
+    """Standard error of the sample variance, sqrt((m4 - m2^2) / S) with central moments m."""
+    centred = samples - samples.mean(axis=axis, keepdims=True)
+    m2, m4 = (np.mean(centred ** k, axis=axis) for k in (2, 4))
+    return np.sqrt((m4 - m2 ** 2) / samples.shape[axis])
+
+
+def _check_against_predict(served_mean, served_variance, served_samples, prediction_samples,
+                           prediction_mean):
+    """Served (N, S, d) samples vs tfnng.predict's (S', N, d) samples (independent draws)."""
+    np.testing.assert_allclose(served_mean, served_samples.mean(axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(served_variance, served_samples.var(axis=1), rtol=1e-4, atol=1e-7)
+    tolerance = _mean_tolerance(served_samples, prediction_samples, 1, 0)
+    assert np.all(np.abs(served_mean - prediction_mean) <= tolerance)
+    variance_tolerance = 5.0 * np.hypot(_variance_standard_error(served_samples, 1),
+                                        _variance_standard_error(prediction_samples, 0))
+    assert np.all(np.abs(served_variance - prediction_samples.var(axis=0)) <= variance_tolerance)
+    assert np.all(served_variance > 0)
+
+
+def test_regression_moments_match_predict_within_monte_carlo_error(exported, served):
+    model, x = exported["regression"].model, exported["regression"].x
+    out = _outputs(served, "regression", "a1")
+    prediction = tfnng.predict(model, x, num_samples=NUM_SAMPLES, return_samples=True)
+    _check_against_predict(out["mean"], out["epistemic_variance"], out["samples"],
+                           prediction.samples, prediction.mean)
+    # aleatoric part: the Student-t variance beta / (alpha - 1) of the point-estimated q(tau)
+    q = model.layers[-1].posterior()
+    aleatoric = (q.rate / (q.concentration - 1.0)).numpy()
+    np.testing.assert_allclose(out["aleatoric_variance"], np.broadcast_to(aleatoric, (len(x), 1)),
+                               rtol=1e-5)
+    np.testing.assert_allclose(out["variance"], out["epistemic_variance"] + out["aleatoric_variance"],
+                               rtol=1e-6)
+
+
+def test_classifier_moments_match_predict_within_monte_carlo_error(exported, served):
+    model, x = exported["classifier"].model, exported["classifier"].x
+    out = _outputs(served, "classifier", "a1")
+    np.testing.assert_array_equal(out["mean"], out["probabilities"])
+    np.testing.assert_allclose(out["mean"].sum(axis=1), 1.0, rtol=1e-5)
+    prediction = tfnng.predict(model, x, num_samples=NUM_SAMPLES, return_samples=True)
+    _check_against_predict(out["mean"], out["variance"], out["samples"], prediction.samples,
+                           prediction.probs)
+
+
+@pytest.mark.parametrize("name", ["regression", "classifier"])
+def test_export_leaves_the_model_and_its_optimizer_untouched(exported, name):
+    assert exported[name].untouched
+
+
+def test_kronecker_family_at_its_initial_posterior_matches_the_closed_form(tmp_path):
+    """Before any update noisy K-FAC's factors are zero, so W = M + sqrt(lambda/N) gamma_in^-1/2 E
+    = M + sqrt(eta) E: a linear layer's output has mean [x, 1] M and variance eta (|x|^2 + 1).
+    Plain K-FAC exports its mean: every sample is the deterministic output."""
+    x = np.array([[0.5, -1.0, 2.0], [0.0, 0.3, -0.2]], np.float32)
+    num_samples, eta, noise_variance = 2000, 0.25, 0.1
+    for optimizer in (tfnng.optimizers.NoisyKFAC(num_examples=50, prior_variance=eta),
+                      tfnng.optimizers.KFAC(damping=0.1)):
+        keras.utils.set_random_seed(2)
+        model = tfnng.BayesianModel(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+        model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance))
+        optimizer.build(model.trainable_variables)
+        path = tmp_path / optimizer.name
+        serving.export(model, path, num_samples=num_samples)     # outputs mean, variance, samples
+        loaded = tf.saved_model.load(str(path))                  # referenced while it is called
+        out = loaded.seeded(tf.constant(x), tf.constant(SEED_A, tf.int64))
+        samples = out["samples"].numpy()                         # (N, S, 2)
+        exact_mean = model.predict(x, verbose=0)
+        if optimizer.noise_scale == 0:
+            assert np.all(samples == samples[:, :1])                 # one weight value
+            np.testing.assert_allclose(samples[:, 0], exact_mean, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(out["variance"].numpy(), noise_variance, rtol=1e-4)
+            continue
+        exact_variance = eta * (np.sum(x ** 2, axis=1, keepdims=True) + 1.0) * np.ones((1, 2))
+        tolerance = 5.0 * np.sqrt(exact_variance / num_samples)
+        assert np.all(np.abs(out["mean"].numpy() - exact_mean) <= tolerance)
+        variance_tolerance = 5.0 * exact_variance * np.sqrt(2.0 / num_samples)  # Gaussian outputs
+        epistemic = out["variance"].numpy() - noise_variance
+        assert np.all(np.abs(epistemic - exact_variance) <= variance_tolerance)
+
+
+# ----------------------------------------------------------------------------------- bad input
+def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
+    regression, classifier = exported["regression"].model, exported["classifier"].model
+    path = tmp_path / "never"
+    bad = [
+        (regression, {"outputs": ("mean", "quantiles")}, "quantiles"),
+        (regression, {"outputs": ()}, "outputs"),
+        (regression, {"outputs": ("mean", "mean")}, "distinct"),
+        (regression, {"outputs": ("probabilities",)}, "regression"),
+        (classifier, {"outputs": ("epistemic_variance",)}, "classification"),
+        (regression, {"num_samples": 0}, "num_samples"),
+        (regression, {"num_samples": -3}, "num_samples"),
+        (regression, {"num_samples": 2.5}, "num_samples"),
+        (regression, {"num_samples": True}, "num_samples"),
+    ]
+    for model, kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            serving.export(model, path, **kwargs)
+
+    def net():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+    plain = net()
+    plain.compile(optimizer="adam", loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match="tfnng optimizer.*Adam"):
+        serving.export(plain, path)
+    with pytest.raises(ValueError, match="likelihood"):
+        serving.export(net(), path)                              # not compiled at all
+    untrained = net()
+    untrained.compile(optimizer=tfnng.optimizers.IVON(num_examples=10),
+                      loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match="IVON has no posterior yet"):
+        serving.export(untrained, path)
+
+    class OwnSampler(tfnng.optimizers.NoisyAdam):
+        """A posterior whose sampler serving does not know."""
+
+        def sample_weights(self):
+            super().sample_weights()
+
+    custom = net()
+    custom.compile(optimizer=OwnSampler(num_examples=10), loss=tfnng.losses.GaussianNLL())
+    custom.optimizer.build(custom.trainable_variables)
+    with pytest.raises(ValueError, match="cannot export the posterior of OwnSampler"):
+        serving.export(custom, path)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda n: tfnng.optimizers.SLANG(learning_rate=1e-2, num_examples=n, rank=3, seed=2),
+    lambda n: tfnng.optimizers.NoisyNaturalGradient(learning_rate=1e-2, num_examples=n, seed=2)])
+def test_flat_families_serve_their_correlated_posterior(make_optimizer, tmp_path):
+    """SLANG and NNG-full: served moments match tfnng.predict within Monte Carlo error."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [-1.0], [0.5]]) + 0.3 * rng.normal(size=(40, 1))).astype("float32")
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                            keras.layers.Dense(1)])
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=make_optimizer(len(x)), loss=tfnng.losses.GaussianNLL(0.1))
+    model.fit(x, y, batch_size=10, epochs=2, verbose=0)
+    serving.export(model, tmp_path / "flat", num_samples=NUM_SAMPLES,
+                   outputs=("mean", "epistemic_variance", "samples"))
+    out = {k: v.numpy() for k, v in tf.saved_model.load(str(tmp_path / "flat")).signatures[
+        "seeded"](inputs=tf.constant(x[:6]), seed=tf.constant([1, 2], tf.int64)).items()}
+    prediction = tfnng.predict(model, x[:6], num_samples=NUM_SAMPLES, return_samples=True)
+    _check_against_predict(out["mean"], out["epistemic_variance"], out["samples"],
+                           prediction.samples, prediction.mean)
+
+
+# ------------------------------------------------------------------------------------- tutorial
+def test_tutorial_smoke(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "serving_tutorial", Path(__file__).parents[1] / "tutorials" / "serving.py")
+    tutorial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tutorial)
+    result = tutorial.main(["--smoke", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    request = json.loads((tmp_path / "request.json").read_text())
+    rows = np.asarray(request["inputs"]["inputs"])
+    assert request["signature_name"] == "serving_default" and rows.shape == (3, 10)
+    np.testing.assert_allclose(rows, tutorial.make_data()[2][:3], rtol=1e-5, atol=1e-6)  # real data
+    np.testing.assert_array_equal(result["x"], rows.astype("float32"))
+    for key in ("mean", "variance", "samples"):
+        assert np.all(np.isfinite(result["served"][key])), key
+    assert result["served"]["mean"].shape == (3, 1)
+    np.testing.assert_array_equal(result["seeded"][0]["samples"], result["seeded"][1]["samples"])
+    export_base = str(tmp_path.resolve() / "diabetes")
+    assert (tmp_path / "diabetes" / "1" / "saved_model.pb").exists()
+    assert "docker run -p 8501:8501" in printed and f"source={export_base}" in printed
+    assert "tensorflow/serving" in printed and "curl" in printed and "request.json" in printed
