@@ -23,6 +23,27 @@ def test_regression_uncertainty_smoke(tmp_path):
     assert np.isfinite(ratio) and ratio > 0
 
 
+def test_classification_calibration_smoke(tmp_path):
+    out = tmp_path / "reliability.png"
+    results, y_test = _load("classification_calibration").main(["--smoke", "--out", str(out)])
+    assert out.stat().st_size > 10_000                     # a real PNG was drawn
+    assert [r["method"] for r in results] == ["noisy_kfac", "adam"]
+    for r in results:
+        probs = r["probs"]
+        assert probs.shape == (len(y_test), 10) and np.allclose(probs.sum(axis=1), 1, atol=1e-5)
+        # the reported metrics are those of the returned predictive, recomputed from their definitions
+        assert r["accuracy"] == np.mean(probs.argmax(axis=1) == y_test)
+        nll = -np.mean(np.log(probs[np.arange(len(y_test)), y_test]))
+        np.testing.assert_allclose(r["nll"], nll, rtol=1e-4)
+        diagram = r["reliability"]
+        assert diagram["counts"].sum() == len(y_test)
+        full = diagram["counts"] > 0
+        ece = np.sum(diagram["counts"][full] * np.abs(diagram["accuracy"][full] - diagram["confidence"][full]))
+        np.testing.assert_allclose(r["ece"], ece / len(y_test), rtol=1e-12)
+    adam = results[1]
+    assert adam["accuracy"] > 0.5                          # one epoch of Adam already learns (chance: 0.1)
+
+
 def test_demo_runs_and_reports_every_method(capsys):
     from tfnng import demo
     results = demo.main(["--epochs", "2", "--methods", "adam,ivon"])

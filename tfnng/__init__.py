@@ -9,6 +9,7 @@ of an ordinary Keras model (Zhang et al. 2018; Khan et al. 2018; Shen et al. 202
 """
 
 from tfnng import curvature, layers, losses, metrics, models, optimizers, posteriors
+from tfnng import callbacks, serving
 from tfnng.models import BayesianModel
 from tfnng._markers import is_point_estimate, mark_point_estimate
 from tfnng.predict import Predictive, predict
@@ -16,6 +17,7 @@ from tfnng.predict import Predictive, predict
 __version__ = "0.1.0"
 
 __all__ = [
-    "curvature", "layers", "losses", "metrics", "models", "optimizers", "posteriors", "BayesianModel",
+    "callbacks", "curvature", "layers", "losses", "metrics", "models", "optimizers", "posteriors",
+    "serving", "BayesianModel",
     "predict", "Predictive", "mark_point_estimate", "is_point_estimate", "__version__",
 ]
