@@ -88,14 +88,3 @@ def test_blocktri_optimizer_matches_dense_construction_and_samples():
                       - np.linalg.slogdet(covariance)[1])
     np.testing.assert_allclose(float(optimizer.kl_divergence()), dense_kl, rtol=1e-8)
 
-
-def test_chains_link_only_directly_connected_dense_layers():
-    """Dense - LayerNormalization - Dense - Dense: only the last two layers form a chain."""
-    from tfnng.curvature.capture import LayerCapture
-    first, second, third = (keras.layers.Dense(4), keras.layers.Dense(4), keras.layers.Dense(2))
-    net = keras.Sequential([keras.Input((3,)), first, keras.layers.LayerNormalization(), second,
-                            third])
-    optimizer = tfnng.optimizers.NoisyKFAC(1e-3, num_examples=10, block_tridiagonal=True)
-    optimizer.prepare_curvature(LayerCapture(net).specs)
-    optimizer.build(net.trainable_variables)
-    assert [[block.spec.layer for block in chain] for chain in optimizer._chains] == [[second, third]]

@@ -234,23 +234,24 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                             "diagonal (noisy Adam) posterior.", type(self).__name__, ", ".join(names))
 
     def _find_chains(self):
-        """Maximal runs of Dense blocks with rank-2 inputs, each reading the previous one's output
-        directly (block-tridiagonal chains, Martens & Grosse 2015 sec. 4.3)."""
+        """Maximal runs of consecutive Dense blocks with rank-2 inputs (block-tridiagonal chains).
+
+        Consecutive in the order of the supported layers: layers without a Kronecker block in
+        between (normalisation, dropout) do not break a chain.
+        """
         chains, current = [], []
         for block in self._blocks:
             layer = block.spec.layer
             try:
                 rank2 = len(layer.input.shape) == 2
-                # Adjacent in the model: this layer reads the previous chain member's output.
-                follows = bool(current) and layer.input is current[-1].spec.layer.output
             except (AttributeError, ValueError):
-                rank2 = follows = False
-            if current and not follows:
+                rank2 = False
+            if block.spec.kind == "dense" and rank2:
+                current.append(block)
+            else:
                 if len(current) > 1:
                     chains.append(current)
                 current = []
-            if block.spec.kind == "dense" and rank2:
-                current.append(block)
         if len(current) > 1:
             chains.append(current)
         for c, chain in enumerate(chains):
