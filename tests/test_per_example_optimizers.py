@@ -175,6 +175,29 @@ def test_noisy_natural_gradient_equals_numpy_reference_of_nng_eq_9_10():
                                np.sqrt(np.diag(covariance)), rtol=1e-6)
 
 
+def test_noisy_natural_gradient_averages_mc_samples_before_each_update():
+    """mc_samples = 2: each update uses the averages of gradient, sample and G^T G / B over two
+    evaluations, each at its own weight sample (the curvature estimate has a fixed shape)."""
+    eps = list(np.random.default_rng(4).normal(size=(STEPS, D)))
+    means, _ = run_optimizer(tfnng.optimizers.NoisyNaturalGradient(mc_samples=2, **common_kwargs()),
+                             eps)
+    mu, fisher, w = np.zeros(D), H0 * np.eye(D), np.zeros(D)
+    chol = np.linalg.cholesky(fisher + GAMMA * np.eye(D))
+    expected, group = [], []
+    for t, (x, y) in enumerate(reference_batches()):
+        g_i = example_gradients(w, x, y)
+        group.append((-g_i.mean(0), w, g_i.T @ g_i / B))
+        if len(group) == 2:
+            g, weight, curvature = (np.mean(parts, axis=0) for parts in zip(*group))
+            group = []
+            fisher = (1 - BETA) * fisher + BETA * curvature
+            mu = mu - LR * np.linalg.solve(fisher + (GAMMA + GAMMA_EX) * np.eye(D), g + GAMMA * weight)
+            chol = np.linalg.cholesky(fisher + GAMMA * np.eye(D))
+        w = mu + np.sqrt(SCALE) * np.linalg.solve(chol.T, eps[t])
+        expected.append(mu)
+    np.testing.assert_allclose(means, expected, rtol=1e-6, atol=1e-9)
+
+
 def full_vogn_reference(steps_eps):
     """SLANG eq. 2 (full-Gaussian VOGN) in tfnng's units, prior term at the mean (Alg. 1, line 11)."""
     mu, precision, w = np.zeros(D), (H0 + GAMMA) * np.eye(D), np.zeros(D)
