@@ -80,6 +80,12 @@ def test_result_helpers():
     assert mean == pytest.approx(2.0) and se == pytest.approx(1.0 / math.sqrt(3.0))
     assert _results.mean_and_standard_error([4.0]) == (4.0, None)
     assert _results.format_mean_se(1.23456, None) == "1.235 ± n/a"
+    assert _results.parse_names("b,a", ["a", "b"], "x") == ["b", "a"]
+    assert _results.parse_names("all", ["a", "b"], "x", allow_all=True) == ["a", "b"]
+    with pytest.raises(SystemExit, match="unknown x c; choose from a, b$"):
+        _results.parse_names("a,c", ["a", "b"], "x")
+    with pytest.raises(SystemExit, match="unknown x all"):
+        _results.parse_names("all", ["a", "b"], "x")
     lines = _results.format_table(["a", "long header"], [["xyz", 1]]).splitlines()
     assert len(lines) == 3 and lines[0].index("long") == lines[2].index("1")
 

@@ -11,6 +11,19 @@ from pathlib import Path
 import numpy as np
 
 
+def parse_names(text, known, kind, allow_all=False):
+    """The names in the comma-separated ``text``, all in ``known`` (``"all"`` gives every known name
+    when ``allow_all``); stops the command with a message naming the unknown ones."""
+    if allow_all and text == "all":
+        return list(known)
+    names = text.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        choices = ", ".join(known) + (" or 'all'" if allow_all else "")
+        raise SystemExit(f"unknown {kind} {', '.join(unknown)}; choose from {choices}")
+    return names
+
+
 def format_table(headers, rows):
     """Return ``rows`` (sequences of already formatted cells) as a fixed-width text table."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

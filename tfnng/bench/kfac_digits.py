@@ -160,10 +160,7 @@ def add_arguments(parser):
 
 def run(args):
     """Train every method, print the table, write the JSON and the reliability diagram PNG."""
-    methods = args.methods.split(",")
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    methods = _results.parse_names(args.methods, METHODS, "method(s)")
     data = load(args.test_fraction, args.seed)
     rows = [run_method(m, data, args.epochs, args.batch_size, args.num_samples, args.seed)
             for m in methods]

@@ -457,18 +457,10 @@ def add_arguments(parser):
     parser.add_argument("--out", default=None, help="JSON file (default: results/logreg.json)")
 
 
-def _parse_names(text, known, kind):
-    names = list(known) if text == "all" else text.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {kind} {unknown}; choose from {', '.join(known)} or 'all'")
-    return names
-
-
 def run(args):
     """Run the logistic-regression benchmark described by ``args``; print the table, write the JSON."""
-    datasets = _parse_names(args.dataset, DATASETS, "data set")
-    methods = _parse_names(args.method, METHODS, "method")
+    datasets = _results.parse_names(args.dataset, DATASETS, "data set", allow_all=True)
+    methods = _results.parse_names(args.method, METHODS, "method", allow_all=True)
     missing = [DATASETS[d].file for d in datasets if not (Path(args.data_dir) / DATASETS[d].file).is_file()]
     if missing:
         raise SystemExit(f"logistic-regression data not found in {args.data_dir!r}: {missing}")

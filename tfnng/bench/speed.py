@@ -185,14 +185,8 @@ def add_arguments(parser):
 
 def run(args):
     """Run the speed/memory benchmark described by the parsed ``args``; print the table, write the JSON."""
-    model_names = args.models.split(",")
-    unknown = sorted(set(model_names) - set(MODELS))
-    if unknown:
-        raise SystemExit(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    optimizers = tuple(args.optimizers.split(","))
-    unknown = sorted(set(optimizers) - set(OPTIMIZERS))
-    if unknown:
-        raise SystemExit(f"unknown optimizer(s) {', '.join(unknown)}; choose from {', '.join(OPTIMIZERS)}")
+    model_names = _results.parse_names(args.models, MODELS, "model(s)")
+    optimizers = tuple(_results.parse_names(args.optimizers, OPTIMIZERS, "optimizer(s)"))
     rows = [row for name in model_names
             for row in measure(name, optimizers, args.steps, args.repeats, args.warmup_steps, args.jit_compile)]
     _results.print_table(
