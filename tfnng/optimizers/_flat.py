@@ -12,6 +12,7 @@ the current sample ``w`` and the matrix ``G`` (B, D) of per-example log-likeliho
 import numpy as np
 import tensorflow as tf
 
+from tfnng.curvature import per_example as _gradients
 from tfnng.optimizers._per_example import PerExampleOptimizer
 
 
@@ -72,8 +73,8 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
 
     def _example_gradient_matrix(self, dtype):
         """``G`` (B, D): row n is example n's log-likelihood gradient (SLANG Alg. 1, line 6)."""
-        rows = [self._example_gradients(i) for i in self._flat_indices]
-        return tf.concat([tf.reshape(tf.cast(r, dtype), [tf.shape(r)[0], -1]) for r in rows], axis=1)
+        return _gradients.flatten([tf.cast(self._example_gradients(i), dtype)
+                                   for i in self._flat_indices])
 
     # --------------------------------------------------------------------------------- update step
     def _backend_update_step(self, grads, trainable_variables, learning_rate):

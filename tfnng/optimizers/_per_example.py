@@ -44,12 +44,6 @@ class PerExampleStatistics:
         kernel, bias = self._curvature_cache[key]
         return kernel if part == "kernel" else bias
 
-    def has_per_example_source(self, index):
-        """Whether variable ``index`` gets per-example gradients (fast path or generic record)."""
-        return index in self._fast_sources or (
-            self._curvature_batch is not None
-            and self._trainable_variables[index].path in self._curvature_batch)
-
     def _squared_gradient_mean(self, index):
         """``(1/B) sum_n g_n^2`` for variable ``index`` (VOGN eq. 9, NNG Alg. 1's Fisher)."""
         if index in self._fast_sources:
