@@ -71,7 +71,8 @@ def mixed_net():
 def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     """Every variable's per-example gradient, as the optimizer sees it, equals a loop over examples
     of grad log p(y_i | x_i) — Conv2D/Dense by the fast path, LayerNormalization and a custom layer by
-    the generic one — and the fast path is used exactly for the captured layers."""
+    the generic one — and the fast path is used exactly for the captured layers. The products of
+    the gradient operator (Dense rows never formed) equal those of the dense (D, B) matrix."""
     net = mixed_net()
     loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
     optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
@@ -87,16 +88,31 @@ def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     expected_fast = {id(v) for layer in net.layers if isinstance(layer, kinds)
                      for v in layer.trainable_variables}
     assert {id(net.trainable_variables[i]) for i in fast} == expected_fast
+    rows = []
     for i, variable in enumerate(net.trainable_variables):
         expected = []
         for n in range(4):
             with tf.GradientTape() as tape:
                 ll = tf.reduce_sum(loss.log_prob(y[n:n + 1], net(x[n:n + 1], training=False)))
             expected.append(tape.gradient(ll, variable).numpy())
-        np.testing.assert_allclose(optimizer._example_gradients(i).numpy(), np.stack(expected),
-                                   rtol=1e-9, atol=1e-12, err_msg=variable.path)
         np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
                                    np.mean(np.square(expected), axis=0), rtol=1e-9, atol=1e-12)
+        rows.append(np.reshape(expected, (4, -1)))
+    # A flat order unlike the model's: each layer's kernel and bias apart, the Dense bias first.
+    order = [6, 0, 4, 5, 2, 1, 3]
+    assert sorted(order) == list(range(len(net.trainable_variables)))
+    dense = np.concatenate([rows[i] for i in order], axis=1).T                      # (D, B)
+    columns = optimizer._example_gradient_columns(order, F64)
+    assert (columns.dimension, columns.num_columns) == dense.shape
+    np.testing.assert_allclose(columns.to_dense().numpy(), dense, rtol=1e-9, atol=1e-12)
+    y_probe, x_probe = rng.normal(size=(4, 3)), rng.normal(size=(dense.shape[0], 2))
+    np.testing.assert_allclose(columns.matmul(tf.constant(y_probe)).numpy(), dense @ y_probe,
+                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(columns.transpose_matmul(tf.constant(x_probe)).numpy(),
+                               dense.T @ x_probe, rtol=1e-9)
+    np.testing.assert_allclose(columns.gram().numpy(), dense.T @ dense, rtol=1e-9)
+    np.testing.assert_allclose(columns.squared_row_norms().numpy(), np.sum(dense ** 2, axis=1),
+                               rtol=1e-9, atol=1e-12)
 
 
 # ------------------------------------------------------------------- NumPy references, fixed noise

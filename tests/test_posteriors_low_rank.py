@@ -55,13 +55,14 @@ def test_fast_sample_empirical_covariance_matches_dense_inverse():
     np.testing.assert_allclose(draws.mean(axis=1), 0.0, atol=5 * np.sqrt(np.diag(cov).max() / samples))
 
 
-def test_fast_eig_recovers_top_eigenpairs_of_low_rank_plus_noise():
+@pytest.mark.parametrize("method", ["exact", "randomized"])
+def test_fast_eig_recovers_top_eigenpairs_of_low_rank_plus_noise(method):
     rng = np.random.default_rng(2)
     basis, _ = np.linalg.qr(rng.normal(size=(D, L)))
     strong = basis * np.sqrt([50.0, 30.0, 20.0, 10.0])
     columns = np.concatenate([strong, 0.01 * rng.normal(size=(D, 30))], axis=1)   # K = 34 > L + p
     matrix = columns @ columns.T
-    values, vectors = low_rank.fast_eig(columns, L, seed=7)
+    values, vectors = low_rank.fast_eig(columns, L, seed=7, method=method)
     exact_values, exact_vectors = np.linalg.eigh(matrix)
     exact_values, exact_vectors = exact_values[::-1][:L], exact_vectors[:, ::-1][:, :L]
     np.testing.assert_allclose(values.numpy(), exact_values, rtol=1e-8)
@@ -78,25 +79,57 @@ def test_fast_eig_is_exact_when_the_factor_is_narrow():
     np.testing.assert_allclose(reconstructed, columns @ columns.T, atol=1e-10)
 
 
-def test_fast_eig_rejects_a_rank_larger_than_the_factor():
+def test_fast_eig_rejects_a_rank_larger_than_the_factor_and_unknown_methods():
     with pytest.raises(ValueError, match="rank"):
         low_rank.fast_eig(np.ones((5, 2)), 3)
+    with pytest.raises(ValueError, match="method"):
+        low_rank.fast_eig(np.ones((5, 2)), 1, method="lanczos")
+
+
+def test_fast_eig_auto_picks_the_method_by_factor_width(monkeypatch):
+    """"auto" is exact up to EXACT_MAX_COLUMNS columns and randomized above; with the width known only
+    at run time (inside tf.function) it decides there. Both give the top eigenpairs of a matrix with
+    a clear spectral gap."""
+    rng = np.random.default_rng(8)
+    basis, _ = np.linalg.qr(rng.normal(size=(D, L)))
+    columns = np.concatenate([basis * np.sqrt([50.0, 30.0, 20.0, 10.0]),
+                              0.01 * rng.normal(size=(D, 30))], axis=1)
+    exact_values = np.linalg.eigvalsh(columns @ columns.T)[::-1][:L]
+    calls = []
+    for name in ("_exact_eig", "_randomized_eig"):
+        original = getattr(low_rank, name)
+        monkeypatch.setattr(low_rank, name,
+                            lambda *args, _f=original, _n=name: calls.append(_n) or _f(*args))
+    for limit, chosen in ((1024, "_exact_eig"), (10, "_randomized_eig")):
+        monkeypatch.setattr(low_rank, "EXACT_MAX_COLUMNS", limit)
+        calls.clear()
+        values, _ = low_rank.fast_eig(columns, L, seed=3)
+        assert calls == [chosen]
+        np.testing.assert_allclose(values.numpy(), exact_values, rtol=1e-8)
+        calls.clear()
+        dynamic = tf.function(lambda f: low_rank.fast_eig(f, L, seed=3),
+                              input_signature=[tf.TensorSpec((D, None), tf.float64)])
+        values, _ = dynamic(tf.constant(columns))
+        assert sorted(calls) == ["_exact_eig", "_randomized_eig"]       # a tf.cond of both
+        np.testing.assert_allclose(values.numpy(), exact_values, rtol=1e-8)
 
 
 def dense_update(u, d, g, beta, prior_precision):
     return ((1 - beta) * dense_precision(u, d) + beta * (g @ g.T + prior_precision * np.eye(len(d))))
 
 
-def test_update_keeps_the_diagonal_exact_after_every_step():
+@pytest.mark.parametrize("method", ["exact", "randomized"])
+def test_update_keeps_the_diagonal_exact_after_every_step(method):
     """SLANG eq. 8 / App. D: the diagonal of U U^T + diag(d) equals that of the VOGN update (2) it
     approximates, step after step, while the off-diagonal part is only approximated."""
     rng = np.random.default_rng(4)
     u, d = np.zeros((D, L)), np.ones(D)
-    beta, prior_precision, batch = 0.1, 0.5, 16   # L + M > L + p: randomised sketch
+    beta, prior_precision, batch = 0.1, 0.5, 16   # L + M > L + p: a real sketch when randomized
     for step in range(10):
         g = rng.normal(size=(D, batch)) * np.sqrt(100 / batch)
         target = dense_update(u, d, g, beta, prior_precision)
-        u, d = (t.numpy() for t in low_rank.update(u, d, g, beta, prior_precision, seed=step))
+        u, d = (t.numpy() for t in low_rank.update(u, d, g, beta, prior_precision, seed=step,
+                                                   method=method))
         np.testing.assert_allclose(np.diag(dense_precision(u, d)), np.diag(target), rtol=1e-12)
         assert not np.allclose(dense_precision(u, d), target)
     assert np.all(d > 0)

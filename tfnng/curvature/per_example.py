@@ -18,6 +18,9 @@ Two routes:
   ``(B, |T|, p)`` homogeneous input rows and ``(B, |T|, q)`` pre-activation gradient rows of
   :mod:`tfnng.curvature.kronecker` (``|T|`` positions: 1 for a Dense layer on rank-2 inputs, the
   output pixels of a Conv2D); obtaining those rows is the job of :mod:`tfnng.curvature.capture`.
+
+Algorithms that only need products with the per-example gradients (SLANG's eigendecomposition)
+get them from :class:`ExampleGradients`, which never forms the gradients of Dense layers.
 """
 
 import dataclasses
@@ -165,3 +168,156 @@ def layer_squared_gradient_means(spec, captured):
     ds = _rows.gradient_rows(spec, captured.preactivation_grads)
     squares = squared_gradient_sums_from_rows(a, ds) / tf.cast(tf.shape(a)[0], a.dtype)
     return _split_homogeneous(spec, squares, [])
+
+
+class ExampleGradients:
+    """The per-example gradients ``g_1 .. g_B`` of a flat vector of variables as the columns of a
+    (D, B) matrix ``F = G^T`` (``G`` the rows of :func:`flatten`), with the products that SLANG's
+    eigendecomposition (SLANG Alg. 1, lines 6-7; App. C.1) and NNG-full need.
+
+    For a Dense layer on rank-2 inputs ``g_n = a_n Ds_n^T`` (homogeneous (p, q) weights), so with
+    ``A`` (B, p) and ``Ds`` (B, q) its captured rows, ``X`` (p, q, m) and ``y`` (B, m)::
+
+        F y       -> sum_n y_n a_n Ds_n^T = A^T [Ds (x) y]    cost B p q m
+        F^T X     -> a_n^T X Ds_n         = rowsum((A X) Ds)  cost B p q m
+        F^T F     = (A A^T) * (Ds Ds^T)                       cost B^2 (p + q)
+        diag(F F^T) = (A^2)^T (Ds^2)                          cost B p q
+
+    none of which forms the (B, p, q) per-example gradients (Goodfellow 2015 for the last two).
+    Other layers (Conv2D, whose gradients are sums over positions, and layers without a fast path)
+    contribute materialised ``(B, size)`` gradients.
+
+    Args:
+        layout: one ``(block, part)`` per variable, in the order of the flat vector; blocks come
+            from :func:`layer_block` and :func:`variable_block` (a layer's block serves its kernel
+            and its bias).
+    """
+
+    def __init__(self, layout):
+        self._layout = list(layout)
+        self._blocks = list({id(block): block for block, _ in self._layout}.values())
+        self._sizes = [block.sizes[part] for block, part in self._layout]
+        self.dimension = sum(self._sizes)
+        self.dtype = self._blocks[0].dtype
+        # B, the number of examples (a scalar tensor when the batch size is dynamic).
+        self.num_columns = self._blocks[0].batch_size
+
+    def matmul(self, y):
+        """``F y`` for ``y`` of shape (B, m): the (D, m) sums ``sum_n y_n g_n``."""
+        results = {id(block): block.matmul(y) for block in self._blocks}
+        return tf.concat([results[id(block)][part] for block, part in self._layout], axis=0)
+
+    def transpose_matmul(self, x):
+        """``F^T x`` for ``x`` of shape (D, m): the (B, m) inner products ``g_n . x``."""
+        pieces = {id(block): {} for block in self._blocks}
+        for (block, part), piece in zip(self._layout, tf.split(x, self._sizes, axis=0)):
+            pieces[id(block)][part] = piece
+        return tf.add_n([block.transpose_matmul(pieces[id(block)]) for block in self._blocks])
+
+    def gram(self):
+        """``F^T F``: the (B, B) inner products ``g_n . g_k``."""
+        return tf.add_n([block.gram() for block in self._blocks])
+
+    def squared_row_norms(self):
+        """``diag(F F^T) = sum_n g_n^2`` (elementwise), shape (D,)."""
+        results = {id(block): block.squared_row_norms() for block in self._blocks}
+        return tf.concat([results[id(block)][part] for block, part in self._layout], axis=0)
+
+    def to_dense(self):
+        """``F`` itself, (D, B)."""
+        results = {id(block): block.columns() for block in self._blocks}
+        return tf.concat([results[id(block)][part] for block, part in self._layout], axis=0)
+
+
+class _OuterProductBlock:
+    """A captured layer with one position: ``g_n = a_n Ds_n^T``, kept as its rows (B, p), (B, q)."""
+
+    def __init__(self, spec, activations, gradients):
+        self._a, self._ds = activations, gradients
+        self._q = int(spec.weight_shape[1])
+        self._has_bias = spec.has_bias
+        self.sizes = {"kernel": int(spec.kernel.shape.num_elements())}
+        if spec.has_bias:
+            self.sizes["bias"] = self._q
+        self.batch_size, self.dtype = _batch_size(activations), activations.dtype
+
+    def _activations(self, part):
+        """The columns of ``A`` that multiply the kernel's rows or the bias row."""
+        if not self._has_bias:
+            return self._a
+        return self._a[:, :-1] if part == "kernel" else self._a[:, -1:]
+
+    def matmul(self, y):
+        weighted = tf.reshape(self._ds[:, :, None] * y[:, None, :], [self.batch_size, -1])
+        return {part: tf.reshape(tf.matmul(self._activations(part), weighted, transpose_a=True),
+                                 [size, -1])
+                for part, size in self.sizes.items()}
+
+    def transpose_matmul(self, pieces):
+        products = tf.add_n([
+            self._activations(part) @ tf.reshape(piece, [self._activations(part).shape[1], -1])
+            for part, piece in pieces.items()])
+        products = tf.reshape(products, [self.batch_size, self._q, -1])
+        return tf.reduce_sum(products * self._ds[:, :, None], axis=1)
+
+    def gram(self):
+        return (tf.matmul(self._a, self._a, transpose_b=True)
+                * tf.matmul(self._ds, self._ds, transpose_b=True))
+
+    def squared_row_norms(self):
+        squares = tf.square(self._ds)
+        return {part: tf.reshape(tf.matmul(tf.square(self._activations(part)), squares,
+                                           transpose_a=True), [-1])
+                for part in self.sizes}
+
+    def columns(self):
+        return {part: tf.reshape(tf.einsum("bp,bq->pqb", self._activations(part), self._ds),
+                                 [size, -1])
+                for part, size in self.sizes.items()}
+
+
+class _MaterialisedBlock:
+    """Per-example gradients held as ``(B, size)`` rows, one matrix per part."""
+
+    def __init__(self, rows):
+        self._rows = rows
+        self.sizes = {part: int(r.shape[1]) for part, r in rows.items()}
+        first = next(iter(rows.values()))
+        self.batch_size, self.dtype = _batch_size(first), first.dtype
+
+    def matmul(self, y):
+        return {part: tf.matmul(r, y, transpose_a=True) for part, r in self._rows.items()}
+
+    def transpose_matmul(self, pieces):
+        return tf.add_n([self._rows[part] @ piece for part, piece in pieces.items()])
+
+    def gram(self):
+        return tf.add_n([tf.matmul(r, r, transpose_b=True) for r in self._rows.values()])
+
+    def squared_row_norms(self):
+        return {part: tf.reduce_sum(tf.square(r), axis=0) for part, r in self._rows.items()}
+
+    def columns(self):
+        return {part: tf.transpose(r) for part, r in self._rows.items()}
+
+
+def _batch_size(tensor):
+    return tensor.shape[0] if tensor.shape[0] is not None else tf.shape(tensor)[0]
+
+
+def layer_block(spec, captured, dtype):
+    """The :class:`ExampleGradients` block of a captured Dense/Conv2D layer (parts "kernel", "bias"):
+    its rows when the layer has one position, else its materialised per-example gradients."""
+    a = tf.cast(_rows.activation_rows(spec, captured.inputs), dtype)
+    ds = tf.cast(_rows.gradient_rows(spec, captured.preactivation_grads), dtype)
+    if a.shape[1] == 1:
+        return _OuterProductBlock(spec, a[:, 0], ds[:, 0])
+    kernel, bias = _split_homogeneous(spec, gradients_from_rows(a, ds), [tf.shape(a)[0]])
+    rows = {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
+    return _MaterialisedBlock({part: tf.reshape(g, [tf.shape(g)[0], -1]) for part, g in rows.items()})
+
+
+def variable_block(gradients, dtype):
+    """The :class:`ExampleGradients` block (part None) of one variable's ``(B, *shape)`` gradients."""
+    gradients = tf.cast(gradients, dtype)
+    return _MaterialisedBlock({None: tf.reshape(gradients, [tf.shape(gradients)[0], -1])})

@@ -5,23 +5,24 @@ variables of the model, flattened and concatenated in the order of ``model.train
 (point-estimated variables, e.g. ``NoisePrecision``'s, keep their plain Adam step). ``P`` is the
 damped curvature ``F_bar + gamma_in I`` in per-example units (NNG eq. 9; SLANG eq. 2 divided by N):
 each family stores it in its own structure. Per step the family gets the batch-mean gradient ``g``,
-the current sample ``w`` and the matrix ``G`` (B, D) of per-example log-likelihood gradients from
-:class:`tfnng.BayesianModel` (fast path for Dense/Conv2D, generic path for every other layer).
+the current sample ``w`` and the (B, D) per-example log-likelihood gradients ``G`` from
+:class:`tfnng.BayesianModel` (fast path for Dense/Conv2D, generic path for every other layer), as an
+operator that forms them only where needed (:class:`tfnng.curvature.per_example.ExampleGradients`).
 """
 
 import numpy as np
 import tensorflow as tf
 
-from tfnng.curvature import per_example as _gradients
 from tfnng.optimizers._per_example import PerExampleOptimizer
 
 
 class FlatPosteriorOptimizer(PerExampleOptimizer):
     """Base class of :class:`~tfnng.optimizers.SLANG` and :class:`~tfnng.optimizers.NoisyNaturalGradient`.
 
-    Subclasses implement ``_build_posterior(dimension, dtype)``, ``_curvature_statistic(G)`` (the
-    per-step curvature estimate from the (B, D) per-example gradients, averaged over ``mc_samples``
-    when it has a fixed shape), ``_update_flat(mean, grad, weight, curvature, lr, beta)`` (returns the
+    Subclasses implement ``_build_posterior(dimension, dtype)``, ``_curvature_statistic(F)`` (the
+    per-step curvature estimate from the per-example gradients, the columns of
+    ``F = G^T``: a :class:`~tfnng.curvature.per_example.ExampleGradients`; averaged over
+    ``mc_samples`` when it has a fixed shape), ``_update_flat(mean, grad, weight, curvature, lr, beta)`` (returns the
     new mean), ``sampling_state()`` and ``perturb(state, eps)`` (a draw of ``N(0, P^-1)`` from
     ``eps ~ N(0, I)``), ``_marginal_variances()`` (``diag(P^-1)``), ``_kl(mean)`` and
     ``_distribution(mean)``.
@@ -71,11 +72,6 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         return self._flatten([self._means[i] for i in self._flat_indices], self._means[
             self._flat_indices[0]].dtype)
 
-    def _example_gradient_matrix(self, dtype):
-        """``G`` (B, D): row n is example n's log-likelihood gradient (SLANG Alg. 1, line 6)."""
-        return _gradients.flatten([tf.cast(self._example_gradients(i), dtype)
-                                   for i in self._flat_indices])
-
     # --------------------------------------------------------------------------------- update step
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         finite, apply_now = self._step_flags
@@ -94,7 +90,8 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         stats = {
             "grad": self._flatten(flat_grads, dtype),
             "weight": self._flatten([self._trainable_variables[i] for i in self._flat_indices], dtype),
-            "curvature": self._curvature_statistic(self._example_gradient_matrix(dtype))}
+            "curvature": self._curvature_statistic(
+                self._example_gradient_columns(self._flat_indices, dtype))}
         if self.mc_samples > 1:
             stats = self._accumulate_flat(stats, finite, apply_now)
 

@@ -51,11 +51,21 @@ class PerExampleStatistics:
         gradients = self._generic_gradients(index)
         return tf.reduce_mean(tf.square(gradients), axis=0)
 
-    def _example_gradients(self, index):
-        """Per-example gradients ``(B, *shape)`` of variable ``index`` (SLANG Alg. 1, line 6)."""
-        if index in self._fast_sources:
-            return self._from_layer(index, _per_example.layer_gradients)
-        return self._generic_gradients(index)
+    def _example_gradient_columns(self, indices, dtype):
+        """The per-example gradients of the variables ``indices``, flattened and concatenated in that
+        order, as a :class:`~tfnng.curvature.per_example.ExampleGradients` (SLANG Alg. 1, line 6)."""
+        layer_blocks, layout = {}, []
+        for index in indices:
+            if index in self._fast_sources:
+                spec, part = self._fast_sources[index]
+                if spec.name not in layer_blocks:
+                    layer_blocks[spec.name] = _per_example.layer_block(
+                        spec, self._records()[spec.name], dtype)
+                layout.append((layer_blocks[spec.name], part))
+            else:
+                layout.append((_per_example.variable_block(self._generic_gradients(index), dtype),
+                               None))
+        return _per_example.ExampleGradients(layout)
 
     def _generic_gradients(self, index):
         variable = self._trainable_variables[index]

@@ -53,8 +53,10 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
         return (dimension, dimension)
 
     def _curvature_statistic(self, gradients):
-        batch = tf.cast(tf.shape(gradients)[0], gradients.dtype)
-        return tf.matmul(gradients, gradients, transpose_a=True) / batch
+        """``G^T G / B`` (D x D) from the per-example gradients (columns of ``F = G^T``)."""
+        columns = gradients.to_dense()
+        return (tf.matmul(columns, columns, transpose_b=True)
+                / tf.cast(gradients.num_columns, columns.dtype))
 
     def _update_flat(self, mean, grad, weight, curvature, lr, beta):
         fisher = (1 - beta) * self._fisher + beta * curvature

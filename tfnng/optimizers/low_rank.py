@@ -24,12 +24,17 @@ class SLANG(FlatPosteriorOptimizer):
 
     and samples ``w = mu + sqrt(lambda/N) fast_sample(U, d)`` (Alg. 3). SLANG's own scale (sums over
     the data set, prior precision lambda_p) is this one multiplied by N; ``gamma_in = lambda_p / N``.
-    Everything costs O(D L^2 + D L B) per step, never a D x D matrix (:mod:`tfnng.posteriors.low_rank`).
-    With L = D the update is exact: SLANG equals full-Gaussian VOGN.
+    Everything costs O(D L^2 + D L B) per step, never a D x D matrix (:mod:`tfnng.posteriors.low_rank`),
+    and the per-example gradients of Dense layers are never formed: the eigendecomposition only needs
+    products with them (:class:`tfnng.curvature.per_example.ExampleGradients`). With L = D the update
+    is exact: SLANG equals full-Gaussian VOGN.
 
     Args:
         rank: L, the number of low-rank columns (1 <= L <= D).
-        oversampling, power_iterations: of the randomised eigendecomposition (fast_eig, Alg. 1 line 7).
+        eig_method: ``"auto"``, ``"exact"`` or ``"randomized"``: how fast_eig (Alg. 1, line 7) finds
+            the top-L eigenpairs (:func:`tfnng.posteriors.low_rank.fast_eig`). ``"auto"`` solves the
+            (L + B) x (L + B) Gram eigenproblem exactly for batches up to about 1000 examples.
+        oversampling, power_iterations: of the randomised eigendecomposition.
 
     See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` (beta, hess_init,
     extrinsic_damping, fisher: the paper uses the empirical Fisher) and
@@ -37,7 +42,8 @@ class SLANG(FlatPosteriorOptimizer):
     """
 
     def __init__(self, learning_rate=1e-3, num_examples=None, rank=1, beta=1e-3, hess_init=1.0,
-                 extrinsic_damping=0.0, fisher="true", oversampling=_low_rank.DEFAULT_OVERSAMPLING,
+                 extrinsic_damping=0.0, fisher="true", eig_method="auto",
+                 oversampling=_low_rank.DEFAULT_OVERSAMPLING,
                  power_iterations=_low_rank.DEFAULT_POWER_ITERATIONS, name="slang", **kwargs):
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, beta=beta,
                          hess_init=hess_init, extrinsic_damping=extrinsic_damping, fisher=fisher,
@@ -47,6 +53,9 @@ class SLANG(FlatPosteriorOptimizer):
                 "SLANG updates its low-rank factor from the per-example gradients of one weight "
                 f"sample per step; mc_samples must be 1, got {self.mc_samples}.")
         self.rank = _positive_int("rank", rank)
+        if eig_method not in _low_rank.EIG_METHODS:
+            raise ValueError(f"`eig_method` must be one of {_low_rank.EIG_METHODS}, got {eig_method!r}.")
+        self.eig_method = eig_method
         self.oversampling = int(oversampling)
         self.power_iterations = int(power_iterations)
 
@@ -61,15 +70,15 @@ class SLANG(FlatPosteriorOptimizer):
             name="diagonal")
 
     def _curvature_statistic(self, gradients):
-        """Columns ``g_n / sqrt(B)``, so that their outer products sum to ``G^T G / B``."""
-        batch = tf.cast(tf.shape(gradients)[0], gradients.dtype)
-        return tf.transpose(gradients) / tf.sqrt(batch)
+        """The per-example gradients themselves: ``update`` weighs their outer products by 1/B."""
+        return gradients
 
     def _update_flat(self, mean, grad, weight, curvature, lr, beta):
         low_rank, diagonal = _low_rank.update(
             self._low_rank, self._diagonal, curvature, beta, self.intrinsic_damping,
             oversampling=self.oversampling, power_iterations=self.power_iterations,
-            seed=self._seed_generator)
+            seed=self._seed_generator, method=self.eig_method,
+            curvature_weight=1.0 / tf.cast(curvature.num_columns, mean.dtype))
         self._low_rank.assign(low_rank)
         self._diagonal.assign(diagonal)
         direction = _low_rank.fast_inverse(low_rank, diagonal + self.extrinsic_damping,
@@ -107,5 +116,6 @@ class SLANG(FlatPosteriorOptimizer):
         return self._scaled_factors()
 
     def get_config(self):
-        return {**super().get_config(), "rank": self.rank, "oversampling": self.oversampling,
+        return {**super().get_config(), "rank": self.rank, "eig_method": self.eig_method,
+                "oversampling": self.oversampling,
                 "power_iterations": self.power_iterations}

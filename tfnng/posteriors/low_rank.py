@@ -19,56 +19,160 @@ from tfnng.posteriors import _linalg
 # (with re-orthonormalisation), sharpening the separation between the top-L eigenvalues and the rest.
 DEFAULT_OVERSAMPLING = 10
 DEFAULT_POWER_ITERATIONS = 2
+# fast_eig's "auto" method solves the K x K Gram eigenproblem exactly up to this many factor columns.
+EXACT_MAX_COLUMNS = 1024
+EIG_METHODS = ("auto", "exact", "randomized")
+
+
+class DenseFactors:
+    """A (D, K) factor matrix ``F`` held as a tensor, with what :func:`fast_eig` and :func:`update`
+    use: ``matmul(y) = F y``, ``transpose_matmul(x) = F^T x``, ``gram() = F^T F``,
+    ``squared_row_norms() = diag(F F^T)``, ``dimension = D``, ``num_columns = K`` (an int, or a
+    scalar tensor when only known at run time) and ``dtype``.
+    :class:`tfnng.curvature.per_example.ExampleGradients` offers the same without forming F."""
+
+    def __init__(self, matrix, dtype=None):
+        self.matrix = tf.convert_to_tensor(matrix) if dtype is None else _linalg.cast(matrix, dtype)
+        self.dtype = self.matrix.dtype
+        self.dimension = int(self.matrix.shape[0])
+        self.num_columns = self.matrix.shape[1]
+        if self.num_columns is None:
+            self.num_columns = tf.shape(self.matrix)[1]
+
+    def matmul(self, y):
+        return self.matrix @ y
+
+    def transpose_matmul(self, x):
+        return tf.matmul(self.matrix, x, transpose_a=True)
+
+    def gram(self):
+        return tf.matmul(self.matrix, self.matrix, transpose_a=True)
+
+    def squared_row_norms(self):
+        return tf.reduce_sum(tf.square(self.matrix), axis=1)
+
+
+def as_factors(factors, dtype=None):
+    """``factors`` if it already offers the products of :class:`DenseFactors`, else a DenseFactors."""
+    return factors if hasattr(factors, "gram") else DenseFactors(factors, dtype)
+
+
+class _LowRankAndFactors:
+    """``F = [a U, c G]`` for a (D, L) tensor U and factors G (SLANG eq. 5's rank-(L+M) factor).
+    The scalars a, c multiply only the small operands: no (D, L) pass is spent on scaling."""
+
+    def __init__(self, low_rank, low_rank_scale, factors, factors_scale):
+        self._u, self._a, self._g, self._c = low_rank, low_rank_scale, factors, factors_scale
+        self._rank = int(low_rank.shape[1])
+        self.dimension, self.dtype = int(low_rank.shape[0]), low_rank.dtype
+        self.num_columns = self._rank + factors.num_columns
+
+    def matmul(self, y):
+        return self._u @ (self._a * y[:self._rank]) + self._g.matmul(self._c * y[self._rank:])
+
+    def transpose_matmul(self, x):
+        return tf.concat([self._a * tf.matmul(self._u, x, transpose_a=True),
+                          self._c * self._g.transpose_matmul(x)], axis=0)
+
+    def gram(self):
+        cross = (self._a * self._c) * self._g.transpose_matmul(self._u)        # (c G)^T (a U)
+        return tf.concat([
+            tf.concat([tf.square(self._a) * tf.matmul(self._u, self._u, transpose_a=True),
+                       tf.transpose(cross)], axis=1),
+            tf.concat([cross, tf.square(self._c) * self._g.gram()], axis=1)], axis=0)
+
+    def squared_row_norms(self):
+        return (tf.square(self._a) * tf.reduce_sum(tf.square(self._u), axis=1)
+                + tf.square(self._c) * self._g.squared_row_norms())
 
 
 def fast_eig(factors, rank, oversampling=DEFAULT_OVERSAMPLING,
-             power_iterations=DEFAULT_POWER_ITERATIONS, seed=None):
+             power_iterations=DEFAULT_POWER_ITERATIONS, seed=None, method="auto"):
     """Top-``rank`` eigendecomposition of ``A = F F^T`` given only its factor ``F`` (SLANG Alg. 1, line 7).
 
     ``F`` (``factors``, shape (D, K)) holds the vectors whose outer products sum to A, e.g. the columns
-    ``sqrt(1 - beta) u_j`` and ``sqrt(beta) g_i`` of SLANG eq. 5. A is never formed: it is applied
-    as ``F (F^T X)``.
+    ``sqrt(1 - beta) u_j`` and ``sqrt(beta) g_i`` of SLANG eq. 5: a tensor, or an operator with the
+    products of :class:`DenseFactors`. A is never formed. Two methods:
 
-    Randomised range finder with power iterations (Halko et al. 2011, Alg. 4.4 and 5.3; SLANG App.
-    C.2): F times a Gaussian test matrix with ``rank + oversampling`` columns (capped at D) spans
-    range(F) = range(A) approximately; it is multiplied by A ``power_iterations`` more times with
-    re-orthonormalisation in between (:func:`_orthonormal_columns`), giving an orthonormal
-    basis Q of the approximate top eigenspace; the eigenpairs of the small matrix ``Q^T A Q`` lifted by
-    Q are returned. The error of the rank-L approximation is close to the best possible
-    ``lambda_{L+1}`` with high probability; oversampling (5-10 is the usual choice) controls the failure
-    probability and each power iteration raises the eigenvalue decay ratio to a further power
-    ``(lambda_{L+1} / lambda_L)^2``. When ``K <= rank + oversampling`` the range of F itself (at most K
-    dimensions) is used instead of a sketch, which is exact and deterministic. Cost O(D K (L + p)) per
-    pass plus O(D (L + p)^2) for the orthonormalisations: linear in D.
+    * ``"exact"``: the nonzero eigenpairs of ``F F^T`` are those of the K x K Gram matrix
+      ``F^T F = V diag(s) V^T`` (solved in float64), lifted as ``F v / sqrt(s)``. Exact and
+      deterministic; cost one Gram matrix, a K x K eigenproblem and one product ``F V``. For the
+      per-example gradients of Dense layers the Gram matrix costs only ``B^2 (p + q)``
+      (:class:`tfnng.curvature.per_example.ExampleGradients`).
+    * ``"randomized"``: the randomised range finder with power iterations (Halko et al. 2011, Alg.
+      4.4 and 5.3; SLANG App. C.2): F times a Gaussian test matrix with ``rank + oversampling``
+      columns (capped at D) spans the top of range(A) approximately; it is multiplied by A
+      ``power_iterations`` more times with re-orthonormalisation in between
+      (:func:`_orthonormal_columns`), giving an orthonormal basis Q; the eigenpairs of ``Q^T A Q``
+      lifted by Q are returned. The error is close to the best possible ``lambda_{L+1}`` with high
+      probability; each power iteration raises the decay ratio to a further power
+      ``(lambda_{L+1} / lambda_L)^2``. Cost ``2 (power_iterations + 1)`` products with F or F^T of
+      ``L + p`` columns. When ``K <= rank + oversampling`` the exact method is used.
+    * ``"auto"`` (default): exact when ``K <= EXACT_MAX_COLUMNS`` (decided at run time when K is only
+      known then), randomized otherwise.
 
     Args:
-        factors: (D, K) float tensor F.
+        factors: (D, K) tensor or factor operator F.
         rank: number L of leading eigenpairs to return, ``L <= min(D, K)``.
-        oversampling: extra sketch columns p.
-        power_iterations: number q of extra multiplications by A.
-        seed: seed of the Gaussian test matrix (anything ``keras.random.normal`` accepts).
+        oversampling, power_iterations, seed: of the randomized method (``seed``: anything
+            ``keras.random.normal`` accepts).
+        method: "auto", "exact" or "randomized".
 
     Returns:
         ``(eigenvalues, eigenvectors)``: (L,) non-negative eigenvalues in decreasing order and (D, L)
-        orthonormal eigenvectors.
+        orthonormal eigenvectors (zero columns for zero eigenvalues of a rank-deficient A).
     """
-    factors = tf.convert_to_tensor(factors)
-    dim, count = factors.shape          # count is None when the batch size is known only at run time
-    if rank > dim or (count is not None and rank > count):
-        raise ValueError(f"`rank` ({rank}) exceeds the size of the factor matrix {factors.shape}.")
+    return _top_eigenpairs(factors, rank, oversampling, power_iterations, seed, method, power=0.0)
+
+
+def _top_eigenpairs(factors, rank, oversampling, power_iterations, seed, method, power):
+    """:func:`fast_eig`, returning the eigenvectors scaled by ``eigenvalues ** power`` (the scaling is
+    applied to the small coefficient matrix before the lift to D rows)."""
+    if method not in EIG_METHODS:
+        raise ValueError(f"`method` must be one of {EIG_METHODS}, got {method!r}.")
+    factors = as_factors(factors)
+    dim, count = factors.dimension, factors.num_columns
+    static_count = count if isinstance(count, int) else None
+    if rank > dim or (static_count is not None and rank > static_count):
+        raise ValueError(f"`rank` ({rank}) exceeds the size of the factor matrix ({dim}, {count}).")
     sketch_size = min(rank + oversampling, dim)
-    if count is not None and count <= sketch_size:
-        basis, _ = tf.linalg.qr(factors)
-    else:
-        # range(F F^T) = range(F): sketch F with a (K, L + p) Gaussian test matrix.
-        basis = _orthonormal_columns(factors @ keras.random.normal(
-            tf.stack([tf.shape(factors)[1], sketch_size]), dtype=factors.dtype, seed=seed))
-        for _ in range(power_iterations):
-            basis = _orthonormal_columns(factors @ tf.matmul(factors, basis, transpose_a=True))
-    projected = tf.matmul(basis, factors, transpose_a=True)       # Q^T F, so Q^T A Q = (Q^T F)(Q^T F)^T
-    values, vectors = tf.linalg.eigh(projected @ tf.transpose(projected))
+
+    def exact():
+        return _exact_eig(factors, rank, power)
+
+    def randomized():
+        return _randomized_eig(factors, rank, sketch_size, power_iterations, seed, power)
+
+    if method == "exact" or (static_count is not None and static_count <= sketch_size):
+        return exact()
+    if method == "randomized":
+        return randomized()
+    if static_count is not None:
+        return exact() if static_count <= EXACT_MAX_COLUMNS else randomized()
+    return tf.cond(count <= EXACT_MAX_COLUMNS, exact, randomized)
+
+
+def _exact_eig(factors, rank, power):
+    """Eigenvectors ``F v / sqrt(s)`` from the Gram matrix; with ``power`` they come scaled by s^power."""
+    values, vectors = tf.linalg.eigh(tf.cast(factors.gram(), tf.float64))
     values, vectors = tf.reverse(values, [0])[:rank], tf.reverse(vectors, [1])[:, :rank]
-    return tf.maximum(values, 0.0), basis @ vectors
+    keep = values > 1e-12 * tf.maximum(values[0], 0.0)
+    scale = tf.where(keep, tf.pow(tf.where(keep, values, 1.0), power - 0.5), 0.0)
+    eigenvectors = factors.matmul(tf.cast(vectors * scale, factors.dtype))
+    return tf.cast(tf.where(keep, values, 0.0), factors.dtype), eigenvectors
+
+
+def _randomized_eig(factors, rank, sketch_size, power_iterations, seed, power):
+    test_matrix = keras.random.normal(tf.stack([factors.num_columns, sketch_size]),
+                                      dtype=factors.dtype, seed=seed)
+    basis = _orthonormal_columns(factors.matmul(test_matrix))
+    for _ in range(power_iterations):
+        basis = _orthonormal_columns(factors.matmul(factors.transpose_matmul(basis)))
+    projected = factors.transpose_matmul(basis)          # (Q^T F)^T, so Q^T A Q = P^T P
+    values, vectors = tf.linalg.eigh(tf.matmul(projected, projected, transpose_a=True))
+    values, vectors = tf.reverse(values, [0])[:rank], tf.reverse(vectors, [1])[:, :rank]
+    values = tf.maximum(values, 0.0)
+    return values, basis @ (vectors * tf.pow(values, power))
 
 
 def _orthonormal_columns(matrix, passes=2):
@@ -89,20 +193,22 @@ def _orthonormal_columns(matrix, passes=2):
 
 
 def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=None,
-           oversampling=DEFAULT_OVERSAMPLING, power_iterations=DEFAULT_POWER_ITERATIONS, seed=None):
+           oversampling=DEFAULT_OVERSAMPLING, power_iterations=DEFAULT_POWER_ITERATIONS, seed=None,
+           method="auto", curvature_weight=1.0):
     """One SLANG precision update of ``(U, d)`` (SLANG eq. 4-10; Alg. 1, lines 7-10).
 
     The update it approximates is the VOGN precision step (SLANG eq. 2)::
 
-        P_new = (1 - beta) (U U^T + diag d) + beta (G G^T + prior_precision I)
+        P_new = (1 - beta) (U U^T + diag d) + beta (c G G^T + prior_precision I)
 
-    with ``G G^T`` the curvature estimate (the empirical Fisher ``N/M sum_i g_i g_i^T`` when the caller
-    passes the columns ``sqrt(N/M) g_i``). The rank-(L+M) part ``(1 - beta) U U^T + beta G G^T``
-    (eq. 5) is replaced by its top-L eigendecomposition ``Q Lambda Q^T`` (eq. 6, :func:`fast_eig`),
-    ``U_new = Q Lambda^{1/2}`` (eq. 7), and the discarded part's diagonal is moved into ``d``
-    (diagonal correction, eq. 9-10)::
+    with ``c G G^T`` the curvature estimate, ``c = curvature_weight`` (the empirical Fisher
+    ``(1/M) sum_i g_i g_i^T`` for the columns ``g_i`` and ``c = 1/M``). The rank-(L+M) part
+    ``(1 - beta) U U^T + beta c G G^T`` (eq. 5) is replaced by its top-L eigendecomposition
+    ``Q Lambda Q^T`` (eq. 6, :func:`fast_eig`), ``U_new = Q Lambda^{1/2}`` (eq. 7), and the discarded
+    part's diagonal is moved into ``d`` (diagonal correction, eq. 9-10)::
 
-        d_new = (1 - beta) d + beta prior_precision + diag[(1 - beta) U U^T + beta G G^T - U_new U_new^T]
+        d_new = (1 - beta) d + beta prior_precision
+                + diag[(1 - beta) U U^T + beta c G G^T - U_new U_new^T]
 
     so ``diag(U_new U_new^T + diag d_new) == diag(P_new)`` exactly (eq. 8; SLANG App. D). With
     ``L = D`` the update is exact: SLANG equals the full-covariance update (2).
@@ -110,11 +216,12 @@ def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=No
     Args:
         low_rank: (D, L) tensor U.
         diagonal: (D,) tensor d.
-        curvature_factors: (D, M) tensor G.
+        curvature_factors: (D, M) tensor or factor operator G (see :class:`DenseFactors`).
         beta: step size of the precision, in (0, 1].
         prior_precision: scalar or (D,) prior precision (lambda of SLANG eq. 2).
         rank: L of the result (default: the number of columns of ``low_rank``).
-        oversampling, power_iterations, seed: passed to :func:`fast_eig`.
+        oversampling, power_iterations, seed, method: passed to :func:`fast_eig`.
+        curvature_weight: c.
 
     Returns:
         ``(U_new, d_new)``.
@@ -123,12 +230,11 @@ def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=No
     dtype = low_rank.dtype
     beta = _linalg.cast(beta, dtype)
     rank = low_rank.shape[1] if rank is None else rank
-    combined = tf.concat([tf.sqrt(1.0 - beta) * low_rank,
-                          tf.sqrt(beta) * _linalg.cast(curvature_factors, dtype)], axis=1)
-    values, vectors = fast_eig(combined, rank, oversampling, power_iterations, seed)
-    new_low_rank = vectors * tf.sqrt(values)
-    correction = (tf.reduce_sum(tf.square(combined), axis=1)
-                  - tf.reduce_sum(tf.square(new_low_rank), axis=1))
+    combined = _LowRankAndFactors(low_rank, tf.sqrt(1.0 - beta), as_factors(curvature_factors, dtype),
+                                  tf.sqrt(beta * _linalg.cast(curvature_weight, dtype)))
+    _, new_low_rank = _top_eigenpairs(combined, rank, oversampling, power_iterations, seed, method,
+                                      power=0.5)                            # Q Lambda^{1/2}, eq. 7
+    correction = combined.squared_row_norms() - tf.reduce_sum(tf.square(new_low_rank), axis=1)
     new_diagonal = ((1.0 - beta) * _linalg.cast(diagonal, dtype)
                     + beta * _linalg.cast(prior_precision, dtype) + correction)
     return new_low_rank, new_diagonal
@@ -154,6 +260,16 @@ def fast_inverse(low_rank, diagonal, vectors):
     return result[:, 0] if squeeze else result
 
 
+def _root_terms(low_rank, diagonal):
+    """``(d^{-1/2}, V, W, c)`` with ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T`` and
+    ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``: the covariance root is ``d^{-1/2} (I - V W c W^T V^T)``."""
+    inv_sqrt = tf.math.rsqrt(diagonal)
+    scaled = low_rank * inv_sqrt[:, None]
+    values, vectors = tf.linalg.eigh(tf.matmul(scaled, scaled, transpose_a=True))
+    root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
+    return inv_sqrt, scaled, vectors, 1.0 / (root * (1.0 + root))
+
+
 def covariance_root(low_rank, diagonal):
     """The symmetric square root of ``(U U^T + diag d)^-1`` as a ``tf.linalg.LinearOperator`` (Alg. 3).
 
@@ -165,24 +281,24 @@ def covariance_root(low_rank, diagonal):
     matrix, well defined for rank-deficient U (e.g. zero columns at initialisation). The factor
     ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
-    inv_sqrt = tf.math.rsqrt(diagonal)
-    scaled = low_rank * inv_sqrt[:, None]
-    values, vectors = tf.linalg.eigh(tf.transpose(scaled) @ scaled)
-    root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
+    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
     correction = tf.linalg.LinearOperatorLowRankUpdate(
         tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=diagonal.dtype),
-        scaled @ vectors, diag_update=-1.0 / (root * (1.0 + root)),
-        is_self_adjoint=True, is_positive_definite=True)
+        scaled @ vectors, diag_update=-coefficients, is_self_adjoint=True,
+        is_positive_definite=True)
     return tf.linalg.LinearOperatorComposition(
         [tf.linalg.LinearOperatorDiag(inv_sqrt, is_positive_definite=True), correction])
 
 
 def fast_sample(low_rank, diagonal, standard_normal):
     """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4):
-    ``covariance_root(U, d) eps``. Cost O(D L^2 + L^3 + D L S) for S draws (``standard_normal`` of
-    shape (D,) or (D, S))."""
+    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - V (K (V^T eps)))``. Cost O(D L^2 +
+    L^3 + D L S) for S draws (``standard_normal`` of shape (D,) or (D, S))."""
     matrix, squeeze = _linalg.as_matrix(standard_normal)
-    result = covariance_root(low_rank, diagonal).matmul(matrix)
+    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
+    small = tf.matmul(vectors * coefficients, vectors, transpose_b=True)      # K, (L, L)
+    result = inv_sqrt[:, None] * (matrix - scaled @ (small @ tf.matmul(scaled, matrix,
+                                                                          transpose_a=True)))
     return result[:, 0] if squeeze else result
 
 
