@@ -42,7 +42,7 @@ For ``Requirements.per_example_gradients`` the dict also holds, keyed by variabl
 :class:`tfnng.curvature.per_example.CapturedVariable` for every Bayesian variable that no captured
 layer owns: its per-example log-likelihood gradients from the generic path (``tf.vectorized_map``,
 forward pass with ``training=False``), computed only when ``curvature_due()``. Fast-path variables
-(Dense/Conv2D) get theirs from the layer records (:func:`tfnng.curvature.per_example.layer_gradients`),
+(Dense/Conv2D) get theirs from the layer records (:func:`tfnng.curvature.per_example.layer_block`),
 so the selection of the path is automatic.
 
 Hand-written loops use the same pieces through :func:`gradients_and_curvature`::

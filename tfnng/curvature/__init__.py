@@ -26,7 +26,7 @@ class Requirements:
             per-example gradients of the log-likelihood with respect to its pre-activations.
         per_example_gradients: per-example weight gradients of *every* Bayesian variable (VOGN,
             SLANG, NNG-full). Variables of supported layers get them from the captured rows (fast
-            path, :func:`tfnng.curvature.per_example.layer_gradients`); the model computes the
+            path, :func:`tfnng.curvature.per_example.layer_block`); the model computes the
             others with the generic path (:func:`tfnng.curvature.per_example.per_example_gradients`)
             and hands them over as :class:`~tfnng.curvature.per_example.CapturedVariable` records
             keyed by variable path. Implies ``kronecker``.

@@ -144,19 +144,6 @@ def _split_homogeneous(spec, tensor, leading):
     return tf.reshape(tensor, leading + list(spec.kernel.shape)), None
 
 
-def layer_gradients(spec, captured):
-    """Fast path: per-example gradients of one captured Dense/Conv2D layer (SLANG App. C.1).
-
-    ``spec`` is the layer's :class:`~tfnng.curvature.capture.LayerSpec`, ``captured`` its
-    :class:`~tfnng.curvature.capture.CapturedLayer` (inputs and per-example pre-activation
-    gradients). Returns ``(kernel, bias)`` of shapes ``(B, *kernel.shape)`` and ``(B, *bias.shape)``
-    (``bias`` None without one).
-    """
-    gradients = gradients_from_rows(_rows.activation_rows(spec, captured.inputs),
-                                    _rows.gradient_rows(spec, captured.preactivation_grads))
-    return _split_homogeneous(spec, gradients, [tf.shape(gradients)[0]])
-
-
 def layer_squared_gradient_means(spec, captured):
     """Fast path: ``(1/B) sum_n g_n^2`` of one captured Dense/Conv2D layer (Goodfellow 2015).
 
@@ -265,9 +252,8 @@ class _OuterProductBlock:
                 * tf.matmul(self._ds, self._ds, transpose_b=True))
 
     def squared_row_norms(self):
-        squares = tf.square(self._ds)
-        return {part: tf.reshape(tf.matmul(tf.square(self._activations(part)), squares,
-                                           transpose_a=True), [-1])
+        return {part: tf.reshape(squared_gradient_sums_from_rows(self._activations(part)[:, None],
+                                                                 self._ds[:, None]), [-1])
                 for part in self.sizes}
 
     def columns(self):
@@ -306,8 +292,10 @@ def _batch_size(tensor):
 
 
 def layer_block(spec, captured, dtype):
-    """The :class:`ExampleGradients` block of a captured Dense/Conv2D layer (parts "kernel", "bias"):
-    its rows when the layer has one position, else its materialised per-example gradients."""
+    """Fast path (SLANG App. C.1): the :class:`ExampleGradients` block of one captured Dense/Conv2D
+    layer (parts "kernel" and "bias"), from its :class:`~tfnng.curvature.capture.CapturedLayer`
+    (inputs and per-example pre-activation gradients): its rows when the layer has one position,
+    else its per-example gradients ``DW_n`` (:func:`gradients_from_rows`), materialised."""
     a = tf.cast(_rows.activation_rows(spec, captured.inputs), dtype)
     ds = tf.cast(_rows.gradient_rows(spec, captured.preactivation_grads), dtype)
     if a.shape[1] == 1:
