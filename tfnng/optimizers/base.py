@@ -103,6 +103,14 @@ def _per_thread(name):
                     lambda self, value: setattr(scratch(self), name, value))
 
 
+def compiled_with_xla():
+    """Whether the code being traced is compiled with XLA (``jit_compile=True``)."""
+    # Local import: TensorFlow offers this test only in a private module.
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+
+    return GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 def _sum_over_replicas(grads):
     """All-reduce (sum) of the gradients over the replicas of a ``tf.distribute`` strategy.
 
@@ -247,9 +255,6 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # Local import: only this guard needs to know whether the step is compiled with XLA.
-        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
-
         grads = self._clip_gradients(_sum_over_replicas(grads))
         # The non-finite guard (class docstring): gradients and this step's curvature statistics.
         checked = [(f"the gradient of {getattr(v, 'path', v.name)}", g)    # Keras or tf.Variable
@@ -261,7 +266,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                         for field, what in statistics.items()
                         if getattr(record, field, None) is not None]
         checked = [(what, t) for what, t in checked if t.dtype.is_floating]
-        compiled = GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+        compiled = compiled_with_xla()
         guards = []
         if self.nonfinite == "raise":
             if compiled:
