@@ -191,8 +191,7 @@ class ExampleGradients:
 
     def matmul(self, y):
         """``F y`` for ``y`` of shape (B, m): the (D, m) sums ``sum_n y_n g_n``."""
-        results = {id(block): block.matmul(y) for block in self._blocks}
-        return tf.concat([results[id(block)][part] for block, part in self._layout], axis=0)
+        return self._in_layout({id(block): block.matmul(y) for block in self._blocks})
 
     def transpose_matmul(self, x):
         """``F^T x`` for ``x`` of shape (D, m): the (B, m) inner products ``g_n . x``."""
@@ -207,13 +206,15 @@ class ExampleGradients:
 
     def squared_row_norms(self):
         """``diag(F F^T) = sum_n g_n^2`` (elementwise), shape (D,)."""
-        results = {id(block): block.squared_row_norms() for block in self._blocks}
-        return tf.concat([results[id(block)][part] for block, part in self._layout], axis=0)
+        return self._in_layout({id(block): block.squared_row_norms() for block in self._blocks})
 
     def to_dense(self):
         """``F`` itself, (D, B)."""
-        results = {id(block): block.columns() for block in self._blocks}
-        return tf.concat([results[id(block)][part] for block, part in self._layout], axis=0)
+        return self._in_layout({id(block): block.columns() for block in self._blocks})
+
+    def _in_layout(self, per_block):
+        """Concatenate the blocks' per-part results (``id(block) -> {part: rows}``) in flat order."""
+        return tf.concat([per_block[id(block)][part] for block, part in self._layout], axis=0)
 
 
 class _OuterProductBlock:
