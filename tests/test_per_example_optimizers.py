@@ -346,6 +346,8 @@ def test_bad_arguments_raise_clear_errors():
         tfnng.optimizers.SLANG(1e-3, num_examples=10, beta=1.5)
     with pytest.raises(ValueError, match="mc_samples"):
         tfnng.optimizers.SLANG(1e-3, num_examples=10, mc_samples=2)
+    with pytest.raises(ValueError, match="eig_method"):
+        tfnng.optimizers.SLANG(1e-3, num_examples=10, eig_method="lanczos")
     with pytest.raises(ValueError, match="fisher"):
         tfnng.optimizers.NoisyNaturalGradient(1e-3, num_examples=10, fisher="hessian")
     net = keras.Sequential([keras.Input((200,)), keras.layers.Dense(60)])
@@ -357,3 +359,11 @@ def test_bad_arguments_raise_clear_errors():
     plain.compile(optimizer=tfnng.optimizers.SLANG(1e-3, num_examples=10), loss="mse")
     with pytest.raises(ValueError, match="BayesianModel"):
         plain.fit(np.zeros((4, 3)), np.zeros((4, 1)), verbose=0)
+
+
+def test_slang_config_round_trip_keeps_the_eigendecomposition_settings():
+    optimizer = tfnng.optimizers.SLANG(1e-3, num_examples=10, rank=3, eig_method="randomized",
+                                       oversampling=4, power_iterations=1)
+    restored = tfnng.optimizers.SLANG.from_config(optimizer.get_config())
+    assert (restored.rank, restored.eig_method, restored.oversampling,
+            restored.power_iterations) == (3, "randomized", 4, 1)
