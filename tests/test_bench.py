@@ -118,12 +118,13 @@ def test_uci_quick_run_on_yacht(tmp_path):
 
 def test_speed_run_writes_ratios(tmp_path):
     out = tmp_path / "speed.json"
-    stdout = _run_bench("speed", "--steps", "3", "--repeats", "2", "--warmup-steps", "1", "--out", str(out))
+    stdout = _run_bench("speed", "--steps", "3", "--repeats", "2", "--warmup-steps", "1", "--batch-size", "32",
+                        "--out", str(out))
 
-    assert "ms/step" in stdout
+    assert "ms/step" in stdout and "DIVERGED" not in stdout
     record = json.loads(out.read_text())
     assert RECORD_KEYS <= set(record) and record["task"] == "speed"
-    assert record["settings"]["jit_compile"] is False
+    assert record["settings"]["jit_compile"] is False and record["settings"]["batch_size"] == 32
     rows = record["results"]["rows"]
     assert {(r["model"], r["optimizer"]) for r in rows} == {
         (m, o) for m in speed.MODELS for o in speed.OPTIMIZERS}
@@ -131,6 +132,7 @@ def test_speed_run_writes_ratios(tmp_path):
         for key in ("ms_per_step", "step_time_ratio", "cpu_ms_per_step", "cpu_time_ratio", "state_bytes",
                     "state_bytes_ratio"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["optimizer"], key)
+        assert row["trained"] and math.isfinite(row["final_loss"]), row["optimizer"]
         if row["optimizer"] == "Adam":
             assert row["step_time_ratio"] == row["cpu_time_ratio"] == row["state_bytes_ratio"] == 1.0
         else:  # a tfnng optimizer holds at least the posterior mean (float32)

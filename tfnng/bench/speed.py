@@ -2,7 +2,7 @@
 
 All optimizers are measured in one process on the same models (an MLP 784-400-400-10 and a small CNN
 on 28x28x1 inputs, both ending in 10 logits with ``CategoricalNLL``), the same random in-memory batch
-of 128 and the same ``jit_compile`` setting. After a warm-up (tracing) each optimizer trains for
+of 128 (``--batch-size``) and the same ``jit_compile`` setting. After a warm-up (tracing) each optimizer trains for
 ``--steps`` steps with ``model.fit`` on that batch repeated; this is repeated ``--repeats`` times with
 the optimizers interleaved (their order rotated from repeat to repeat) so that drift of the machine
 hits all of them alike, and the median time per step is reported, both wall-clock and process CPU time
@@ -106,11 +106,11 @@ def state_bytes(optimizer):
     return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in optimizer.variables)
 
 
-def _batch(model):
+def _batch(model, batch_size):
     """One random batch for ``model``: standard normal inputs and uniformly drawn class labels."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH_SIZE,) + tuple(model.input_shape[1:])).astype(np.float32)
-    y = rng.integers(0, NUM_CLASSES, size=BATCH_SIZE)
+    x = rng.standard_normal((batch_size,) + tuple(model.input_shape[1:])).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, size=batch_size)
     return tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
@@ -132,19 +132,22 @@ def _compiled_models(model_name, optimizers, jit_compile):
 
 
 def _ms_per_step(model, dataset, steps):
-    """Wall-clock and process CPU milliseconds per training step of ``steps`` steps of ``model.fit``."""
+    """Wall-clock and process CPU milliseconds per training step of ``steps`` steps of ``model.fit``,
+    and the mean training loss of those steps."""
     wall, cpu = time.perf_counter(), time.process_time()
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
-    return 1000.0 * (time.perf_counter() - wall) / steps, 1000.0 * (time.process_time() - cpu) / steps
+    history = model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
+    return (1000.0 * (time.perf_counter() - wall) / steps, 1000.0 * (time.process_time() - cpu) / steps,
+            history.history["loss"][-1])
 
 
-def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_steps=200, jit_compile=False):
+def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_steps=200, jit_compile=False,
+            batch_size=BATCH_SIZE):
     """Median wall/CPU ms per step and state bytes of each optimizer on one model.
 
     Ratios are to the first optimizer of ``optimizers``.
     """
     models = _compiled_models(model_name, optimizers, jit_compile)
-    dataset = _batch(next(iter(models.values())))
+    dataset = _batch(next(iter(models.values())), batch_size)
     for model in models.values():
         model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0)
     times = {name: [] for name in optimizers}
@@ -154,12 +157,14 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
             times[name].append(_ms_per_step(models[name], dataset, steps))
     rows = []
     for name in optimizers:
-        wall, cpu = zip(*times[name])
+        wall, cpu, loss = zip(*times[name])
         rows.append({
             "model": model_name, "optimizer": name, "num_parameters": models[name].count_params(),
             "ms_per_step": statistics.median(wall), "cpu_ms_per_step": statistics.median(cpu),
             "ms_per_step_repeats": list(wall), "cpu_ms_per_step_repeats": list(cpu),
             "state_bytes": state_bytes(models[name].optimizer),
+            # A diverged run skips its updates (tfnng's non-finite guard): its time is not a step's.
+            "final_loss": loss[-1], "trained": bool(np.all(np.isfinite(loss))),
         })
     for row in rows:
         for key, ratio in [("ms_per_step", "step_time_ratio"), ("cpu_ms_per_step", "cpu_time_ratio"),
@@ -180,6 +185,8 @@ def add_arguments(parser):
                         help="comma-separated optimizers; the first is the reference of the ratios "
                              "(default: %(default)s)")
     parser.add_argument("--jit-compile", action="store_true", help="compile every model with XLA (default: off)")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                        help="examples per step; the targets are stated for %(default)s (default: %(default)s)")
     parser.add_argument("--out", default="results/speed.json", help="JSON file (default: %(default)s)")
 
 
@@ -188,17 +195,20 @@ def run(args):
     model_names = _results.parse_names(args.models, MODELS, "model(s)")
     optimizers = tuple(_results.parse_names(args.optimizers, OPTIMIZERS, "optimizer(s)"))
     rows = [row for name in model_names
-            for row in measure(name, optimizers, args.steps, args.repeats, args.warmup_steps, args.jit_compile)]
+            for row in measure(name, optimizers, args.steps, args.repeats, args.warmup_steps, args.jit_compile,
+                               args.batch_size)]
     _results.print_table(
-        ["model", "optimizer", "ms/step", "x Adam", "CPU ms/step", "x Adam", "state bytes", "x Adam"],
+        ["model", "optimizer", "ms/step", "x Adam", "CPU ms/step", "x Adam", "state bytes", "x Adam",
+         "final loss"],
         [[r["model"], r["optimizer"], f"{r['ms_per_step']:.3f}", f"{r['step_time_ratio']:.2f}",
           f"{r['cpu_ms_per_step']:.3f}", f"{r['cpu_time_ratio']:.2f}", r["state_bytes"],
-          f"{r['state_bytes_ratio']:.2f}"] for r in rows],
-        title=f"\nTraining step time and optimizer state (batch {BATCH_SIZE}, jit_compile={args.jit_compile}, "
+          f"{r['state_bytes_ratio']:.2f}", f"{r['final_loss']:.4g}" + ("" if r["trained"] else " DIVERGED")]
+         for r in rows],
+        title=f"\nTraining step time and optimizer state (batch {args.batch_size}, jit_compile={args.jit_compile}, "
               f"median of {args.repeats} x {args.steps} steps; targets: <= {TARGETS['step_time_ratio']}x time, "
               f"<= {TARGETS['state_bytes_ratio']}x state)")
     settings = {
-        "models": model_names, "optimizers": list(optimizers), "slang_rank": SLANG_RANK, "batch_size": BATCH_SIZE, "steps": args.steps,
+        "models": model_names, "optimizers": list(optimizers), "slang_rank": SLANG_RANK, "batch_size": args.batch_size, "steps": args.steps,
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "jit_compile": args.jit_compile,
         "steps_per_execution": 1, "num_examples": NUM_EXAMPLES, "learning_rate": LEARNING_RATE,
         "targets": TARGETS,
