@@ -108,9 +108,9 @@ METHODS = {
                    bayesian=False),
     "noisy_adam": Method("NoisyAdam", {"beta_1": 0.9, "beta_2": 0.999, "hess_init": 1.0},
                          "NNG Alg. 1 and App. C.1: beta~ = 0.001 (beta_2 = 1 - beta~), momentum beta_1 "
-                         "= 0.9 as in Adam. hess_init = 1 is our choice: Alg. 1 starts f at 0 without "
-                         "bias correction, and the first mean steps alpha*m/(f + gamma_in) then blew "
-                         "up in our runs (concrete split 0: test RMSE > 100)"),
+                         "= 0.9 as in Adam. hess_init = 1 (tfnng's default; Alg. 1 leaves f's start open): "
+                         "with f = 0 and no bias correction the first mean steps alpha*m/(f + gamma_in) "
+                         "blew up in our runs (concrete split 0: test RMSE > 100)"),
     "vadam": Method("Vadam", {"beta_1": 0.9, "beta_2": 0.999},
                     "Vadam paper Fig. 1 (Adam with weight perturbation): Adam's decay rates, which "
                     "match beta~ = 0.001 of NNG App. C.1"),
