@@ -65,8 +65,8 @@ CASES = {
     "noisy_adam": Case(lambda n: _opt.NoisyAdam(5e-2, n, hess_init=1.0, seed=SEED)),
     "noisy_adam_fisher_empirical": Case(
         lambda n: _opt.NoisyAdam(5e-2, n, hess_init=1.0, fisher="empirical", seed=SEED), True),
-    "noisy_adam_fisher_true": Case(   # Fisher slot after one update: (1 - beta_2) / sigma^2
-        lambda n: _opt.NoisyAdam(5e-2, n, beta_2=0.5, fisher="true", seed=SEED), True,
+    "noisy_adam_fisher_true": Case(   # Fisher slot after one update from 0: (1 - beta_2) / sigma^2
+        lambda n: _opt.NoisyAdam(5e-2, n, beta_2=0.5, hess_init=0.0, fisher="true", seed=SEED), True,
         one_step=True, reference=_OTHER_TARGETS,
         target_statistic=(r"output_bias_fisher$", 0.5 / NOISE_VARIANCE)),
     "vadam_mc2": Case(lambda n: _opt.Vadam(5e-2, n, hess_init=1.0, mc_samples=2, seed=SEED)),
