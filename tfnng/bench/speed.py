@@ -2,10 +2,10 @@
 
 All optimizers are measured in one process on the same models (an MLP 784-400-400-10 and a small CNN
 on 28x28x1 inputs, both ending in 10 logits with ``CategoricalNLL``), the same random in-memory batch
-of 128 (``--batch-size``) and the same ``jit_compile`` setting. After a warm-up (tracing) each optimizer trains for
-``--steps`` steps with ``model.fit`` on that batch repeated; this is repeated ``--repeats`` times with
-the optimizers interleaved (their order rotated from repeat to repeat) so that drift of the machine
-hits all of them alike, and the median time per step is reported, both wall-clock and process CPU time
+of 128 (``--batch-size``) and the same ``jit_compile`` setting. After a warm-up (tracing) each
+optimizer trains for ``--steps`` steps with ``model.fit`` on that batch repeated; this is repeated
+``--repeats`` times with the optimizers interleaved (their order rotated from repeat to repeat) so
+that drift of the machine hits all of them alike, and the median time per step is reported, both wall-clock and process CPU time
 (all threads). On a machine shared with other work the wall-clock time is distorted by waiting for the
 CPU; the CPU time is not, so its ratio is the steadier one there. Memory is the total size in bytes of
 ``optimizer.variables``, all of them: the per-weight slots (moments, curvature, posterior mean) and
@@ -86,7 +86,7 @@ def _make_optimizer(name):
     if name == "Adam":
         return keras.optimizers.Adam(learning_rate=LEARNING_RATE)
     # NNG App. C.2: T_stats = 10, T_inv = 200 and the KL-clipped step (c_0 = 1e-3); without the
-    # clipping noisy K-FAC diverged on the CNN within 5 steps (docs/kfac.md, "Default damping").
+    # clipping noisy K-FAC diverged on the CNN within 5 steps (docs/kfac.md, "The first steps").
     if name == "NoisyKFAC":
         return tfnng.optimizers.NoisyKFAC(learning_rate=LEARNING_RATE, num_examples=NUM_EXAMPLES,
                                           stats_every=10, inverse_every=200, kl_clip=1e-3, seed=0)
