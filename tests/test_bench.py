@@ -60,6 +60,22 @@ def test_load_split_normalises_with_training_statistics_only(tmp_path):
     assert uci.dataset_info(tmp_path, "toy") == (12, 1, 7)
 
 
+def test_first_split_selects_a_range_of_splits(tmp_path):
+    rng = np.random.default_rng(1)
+    folder = _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
+                               train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    for split in (1, 2):  # three splits, the later two with other test rows
+        np.savetxt(folder / f"index_train_{split}.txt", np.arange(split, split + 8), fmt="%d")
+        np.savetxt(folder / f"index_test_{split}.txt", np.r_[np.arange(split), np.arange(split + 8, 12)], fmt="%d")
+    np.savetxt(folder / "n_splits.txt", [3], fmt="%d")
+
+    summary = uci.run_benchmark(tmp_path, "toy", "adam", splits=5, epochs=1, first_split=1)
+
+    assert [s["split"] for s in summary["splits"]] == [1, 2] and summary["n_splits"] == 2
+    with pytest.raises(SystemExit, match="toy has splits 0 to 2"):
+        uci.run_benchmark(tmp_path, "toy", "adam", epochs=1, first_split=3)
+
+
 def test_dataset_names_and_aliases():
     assert uci.resolve_dataset("boston") == "bostonHousing"
     assert uci.resolve_dataset("yacht") == "yacht"

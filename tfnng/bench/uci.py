@@ -300,14 +300,17 @@ def run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden):
             **train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed=split)}
 
 
-def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None):
-    """All (or the first ``splits``) standard splits of one data set for one method, with a summary."""
+def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None, first_split=0):
+    """Standard splits ``first_split, first_split + 1, ...`` (all, or ``splits`` of them) of one data set
+    for one method, with a summary."""
     rows, n_splits, num_hidden = dataset_info(data_dir, dataset)
-    n_splits = n_splits if splits is None else min(splits, n_splits)
+    if not 0 <= first_split < n_splits:
+        raise SystemExit(f"--first-split {first_split}: {dataset} has splits 0 to {n_splits - 1}")
+    split_ids = range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
     if batch_size is None:
         batch_size = SMALL_BATCH_SIZE if rows < SMALL_DATASET_ROWS else LARGE_BATCH_SIZE
     per_split = []
-    for split in range(n_splits):
+    for split in split_ids:
         result = run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden)
         optimizer_config = result.pop("optimizer_config")  # the same for all splits but N, seed, decay step
         per_split.append(result)
@@ -319,7 +322,7 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
         "dataset": dataset, "method": method,
         "hyper_parameters": METHODS[method].hyper_parameters, "source": METHODS[method].source,
         "optimizer_config": optimizer_config,
-        "n_splits": n_splits, "n_hidden": num_hidden, "epochs": epochs, "batch_size": batch_size,
+        "n_splits": len(per_split), "n_hidden": num_hidden, "epochs": epochs, "batch_size": batch_size,
         "rmse": rmse, "rmse_se": rmse_se, "test_ll": ll, "test_ll_se": ll_se,
         "diverged_splits": sum(r["diverged"] for r in per_split),
         "seconds": sum(r["train_seconds"] + r["predict_seconds"] for r in per_split),
@@ -368,7 +371,9 @@ def add_arguments(parser):
                         help=f"comma-separated data set names ({', '.join(DATASETS)}; 'boston' works) or 'all'")
     parser.add_argument("--method", default="noisy_adam",
                         help=f"comma-separated methods ({', '.join(METHODS)}) or 'all' (default: %(default)s)")
-    parser.add_argument("--splits", type=int, default=None, help="use only the first K standard splits")
+    parser.add_argument("--splits", type=int, default=None, help="use only K standard splits")
+    parser.add_argument("--first-split", type=int, default=0,
+                        help="index of the first split to run (default: 0); with --splits K, runs K splits from it")
     parser.add_argument("--epochs", type=int, default=None, help=f"training epochs (default: {EPOCHS})")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"default: {SMALL_BATCH_SIZE} below {SMALL_DATASET_ROWS} rows, else {LARGE_BATCH_SIZE}")
@@ -389,14 +394,14 @@ def run(args):
         raise SystemExit(f"UCI data not found in {args.data_dir!r} (missing: {', '.join(missing)})")
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
-    summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size)
+    summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split)
                  for dataset in datasets for method in methods]
     _results.print_table(["dataset", "method", "splits", "epochs", "batch", "test RMSE", "test LL", "time [s]"],
                          _table_rows(summaries), title="\nUCI regression (original units, mean ± standard error)")
     out = args.out or f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}.json"
     settings = {
         "data_dir": str(Path(args.data_dir).resolve()), "datasets": datasets, "methods": methods,
-        "splits": splits, "epochs": epochs, "batch_size": args.batch_size, "quick": args.quick,
+        "splits": splits, "first_split": args.first_split, "epochs": epochs, "batch_size": args.batch_size, "quick": args.quick,
         "learning_rate": LEARNING_RATE, "learning_rate_decay_second_half": LEARNING_RATE_DECAY,
         "prior_variance": PRIOR_VARIANCE, "kl_weight": KL_WEIGHT,
         "num_predictive_samples": NUM_PREDICTIVE_SAMPLES,
