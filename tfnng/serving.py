@@ -6,7 +6,7 @@ by the model's tfnng optimizer is stored as a snapshot in ``tf.Variable`` s (mea
 deviations of the diagonal family; mean matrices and sampling factors of noisy K-FAC; the flat mean and
 sampling state of SLANG and NoisyNaturalGradient), and every call
 
-1. draws S weight samples with stateless RNG (``tf.random.stateless_normal``) from a seed,
+1. draws S weight samples with stateless RNG (:func:`tfnng._random.standard_normal`) from a seed,
 2. runs the network functionally at each sample (Keras 3 ``model.stateless_call``, one sample at a
    time under ``tf.map_fn``, so memory holds one weight sample per iteration),
 3. summarises the S outputs with :func:`tfnng.predict.predictive_moments`, the same Monte Carlo
@@ -39,6 +39,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfnng import _random
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
 from tfnng.optimizers.base import NoisyOptimizer
 from tfnng.optimizers.kfac import NoisyKFAC
@@ -281,7 +282,7 @@ class _Predictive(tf.Module):
             values = {}
             for sampler in self.samplers:
                 values.update(sampler.draw([
-                    tf.random.stateless_normal(spec.shape, next(seeds), dtype=spec.dtype)
+                    _random.standard_normal(spec.shape, next(seeds), spec.dtype)
                     for spec in sampler.noise_specs]))
             trainable = [values[k] for k in range(num_trainable)]
             non_trainable = [tf.convert_to_tensor(v) for v in self.non_trainable]

@@ -28,7 +28,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfnng import _markers
+from tfnng import _markers, _random
 from tfnng.posteriors import diagonal as _diagonal
 
 
@@ -363,13 +363,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return tf.cast(self._update_count + 1, dtype)
 
     def _standard_normal(self, shape, dtype):
-        """Weight noise: ``keras.random.normal``'s draw from the seed generator, with the Philox
-        algorithm named. ``keras.random.normal`` leaves the choice to TensorFlow ("auto_select"),
-        which under XLA on the CPU is about 20 times slower for the ~10^5-10^6 draws of a step."""
+        """Weight noise: a :func:`tfnng._random.standard_normal` draw from the next seed of the seed
+        generator (Philox; ``keras.random.normal`` would leave the algorithm to TensorFlow, whose
+        "auto_select" under XLA on the CPU is about 20 times slower for a step's ~10^5-10^6 draws)."""
         seed = self._seed_generator.next()
         if seed.dtype != tf.int32:                       # as keras.random: int64 state to int32 seed
             seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
-        return tf.random.stateless_normal(shape, seed, dtype=dtype, alg="philox")
+        return _random.standard_normal(shape, seed, dtype)
 
     def _draw(self, index):
         mean = self._means[index]
