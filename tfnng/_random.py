@@ -14,22 +14,13 @@ import math
 
 import tensorflow as tf
 
-try:  # TensorFlow's own test for "this op is being compiled by XLA"; absent: always the TF op's path.
-    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _graph_in_xla
-except ImportError:  # pragma: no cover - depends on the TensorFlow version
-    _graph_in_xla = None
-
-
-def _compiling_with_xla():
-    if _graph_in_xla is None:
-        return True
-    return not tf.executing_eagerly() and _graph_in_xla(tf.compat.v1.get_default_graph())
+from tfnng._xla import compiled_with_xla
 
 
 def standard_normal(shape, seed, dtype=tf.float32):
     """``N(0, I)`` of static ``shape`` drawn from the stateless int32 ``seed`` (shape ``(2,)``)."""
     dtype = tf.as_dtype(dtype)
-    if _compiling_with_xla():
+    if compiled_with_xla():
         return tf.random.stateless_normal(shape, seed, dtype=dtype, alg="philox")
     compute_dtype = tf.float64 if dtype == tf.float64 else tf.float32
     size = math.prod(shape)

@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from tfnng import _markers, _random
+from tfnng._xla import compiled_with_xla
 from tfnng.posteriors import diagonal as _diagonal
 
 
@@ -101,14 +102,6 @@ def _per_thread(name):
 
     return property(lambda self: getattr(scratch(self), name),
                     lambda self, value: setattr(scratch(self), name, value))
-
-
-def compiled_with_xla():
-    """Whether the code being traced is compiled with XLA (``jit_compile=True``)."""
-    # Local import: TensorFlow offers this test only in a private module.
-    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
-
-    return GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
 def _sum_over_replicas(grads):

@@ -57,9 +57,10 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng import curvature as _curvature
+from tfnng._xla import compiled_with_xla
 from tfnng.curvature import kronecker as _factors
 from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _non_negative, _positive,
-                                   _positive_int, _probability, compiled_with_xla)
+                                   _positive_int, _probability)
 from tfnng.optimizers.diagonal import noisy_adam_step
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
