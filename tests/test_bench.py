@@ -153,3 +153,8 @@ def test_speed_run_writes_ratios(tmp_path):
             assert row["step_time_ratio"] == row["cpu_time_ratio"] == row["state_bytes_ratio"] == 1.0
         else:  # a tfnng optimizer holds at least the posterior mean (float32)
             assert row["state_bytes"] >= 4 * row["num_parameters"]
+        timed_inverse = "inverse_update_cpu_ms" in row
+        assert timed_inverse == (row["optimizer"] in ("NoisyKFAC", "KFAC")), row["optimizer"]
+        if timed_inverse:
+            assert row["inverse_update_cpu_ms"] > 0 and row["inverse_every"] == 200
+    assert "K-FAC inverse update alone" in stdout

@@ -142,6 +142,19 @@ def _ms_per_step(model, dataset, steps):
             history.history["loss"][-1])
 
 
+def _inverse_update_cpu_ms(optimizer, repeats=3):
+    """Process CPU milliseconds of one K-FAC inverse update alone (eq. 13: one eigendecomposition per
+    Kronecker factor and the cached inverses), median of ``repeats`` calls after a tracing call."""
+    update = tf.function(optimizer._update_inverses)
+    update()
+    times = []
+    for _ in range(repeats):
+        cpu = time.process_time()
+        update()
+        times.append(1000.0 * (time.process_time() - cpu))
+    return statistics.median(times)
+
+
 def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_steps=200, jit_compile=False,
             batch_size=BATCH_SIZE):
     """Median wall/CPU ms per step and state bytes of each optimizer on one model.
@@ -172,6 +185,12 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
         for key, ratio in [("ms_per_step", "step_time_ratio"), ("cpu_ms_per_step", "cpu_time_ratio"),
                            ("state_bytes", "state_bytes_ratio")]:
             row[ratio] = row[key] / rows[0][key]
+        optimizer = models[row["optimizer"]].optimizer
+        if isinstance(optimizer, tfnng.optimizers.NoisyKFAC):   # its step times include one per T_inv steps
+            row["inverse_update_cpu_ms"] = _inverse_update_cpu_ms(optimizer)
+            row["inverse_every"] = optimizer.inverse_every
+            row["amortised_inverse_update_ratio"] = (
+                row["inverse_update_cpu_ms"] / optimizer.inverse_every / rows[0]["cpu_ms_per_step"])
     return rows
 
 
@@ -209,6 +228,13 @@ def run(args):
         title=f"\nTraining step time and optimizer state (batch {args.batch_size}, jit_compile={args.jit_compile}, "
               f"median of {args.repeats} x {args.steps} steps; targets: <= {TARGETS['step_time_ratio']}x time, "
               f"<= {TARGETS['state_bytes_ratio']}x state)")
+    inverse_rows = [r for r in rows if "inverse_update_cpu_ms" in r]
+    if inverse_rows:
+        _results.print_table(
+            ["model", "optimizer", "CPU ms per inverse update", "T_inv", f"amortised, x {optimizers[0]} step"],
+            [[r["model"], r["optimizer"], f"{r['inverse_update_cpu_ms']:.1f}", r["inverse_every"],
+              f"{r['amortised_inverse_update_ratio']:.3f}"] for r in inverse_rows],
+            title="\nK-FAC inverse update alone (already included in the step times above)")
     settings = {
         "models": model_names, "optimizers": list(optimizers), "slang_rank": SLANG_RANK, "batch_size": args.batch_size, "steps": args.steps,
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "jit_compile": args.jit_compile,
