@@ -106,3 +106,24 @@ def test_kl_to_prior_matches_dense_gaussian_formula():
                    - np.linalg.slogdet(sigma)[1])
     np.testing.assert_allclose(float(optimizer.kl_divergence()), dense, rtol=1e-10)
     assert dense > 0.1
+
+
+def test_kl_of_float32_posteriors_is_summed_accurately():
+    """float32 means and standard deviations have their KL terms computed in float32 (for speed);
+    the total of ~10^5 terms, some near 0 (sigma^2 close to eta), stays within 1e-5 of float64."""
+    rng = np.random.default_rng(0)
+    eta = 0.5
+    means = [rng.normal(0.0, 0.3, (400, 300)), rng.normal(0.0, 0.3, 300)]
+    stddevs = [np.sqrt(eta) * rng.uniform(0.01, 1.0, (400, 300)), np.sqrt(eta) * np.full(300, 1.0 + 1e-3)]
+    var_ratio = [s ** 2 / eta for s in stddevs]
+    exact = sum(0.5 * np.sum(r + m ** 2 / eta - 1.0 - np.log(r)) for m, r in zip(means, var_ratio))
+
+    kl32 = tfnng.posteriors.diagonal.kl_to_isotropic_prior(
+        [tf.constant(m, tf.float32) for m in means], [tf.constant(s, tf.float32) for s in stddevs], eta)
+    mixed = tfnng.posteriors.diagonal.kl_to_isotropic_prior(
+        [tf.constant(means[0], tf.float32), tf.constant(means[1])],
+        [tf.constant(stddevs[0], tf.float32), tf.constant(stddevs[1])], eta)
+
+    assert kl32.dtype == tf.float64
+    np.testing.assert_allclose(float(kl32), exact, rtol=1e-5)
+    np.testing.assert_allclose(float(mixed), exact, rtol=1e-5)

@@ -20,14 +20,18 @@ def kl_to_isotropic_prior(means, stddevs, prior_variance):
     """KL( N(mu, diag sigma^2) || N(0, eta I) ) in closed form, summed over all tensors.
 
     ``0.5 * sum(sigma^2/eta + mu^2/eta - 1 - log(sigma^2/eta))`` — the KL term of the ELBO (NNG eq. 1)
-    for the spherical Gaussian prior assumed throughout the NNG paper (sec. 3).
+    for the spherical Gaussian prior assumed throughout the NNG paper (sec. 3). Each tensor's terms
+    are computed and summed in float32, or float64 when its mean or standard deviation is float64,
+    and the per-tensor sums are added in float64 (float64 throughout took twice the time of a step's
+    KL for an MLP of 478k weights, which ``BayesianModel`` reports at every step).
     """
-    eta = tf.constant(prior_variance, tf.float64)
     total = tf.constant(0.0, tf.float64)
     for mu, sigma in zip(means, stddevs):
-        var_ratio = tf.square(tf.cast(sigma, tf.float64)) / eta
-        total += 0.5 * tf.reduce_sum(
-            var_ratio + tf.square(tf.cast(mu, tf.float64)) / eta - 1.0 - tf.math.log(var_ratio))
+        dtype = tf.float64 if tf.float64 in (mu.dtype, sigma.dtype) else tf.float32
+        eta = tf.constant(prior_variance, dtype)
+        var_ratio = tf.square(tf.cast(sigma, dtype)) / eta
+        terms = var_ratio + tf.square(tf.cast(mu, dtype)) / eta - 1.0 - tf.math.log(var_ratio)
+        total += tf.cast(0.5 * tf.reduce_sum(terms), tf.float64)
     return total
 
 
