@@ -401,7 +401,8 @@ def run(args):
     out = args.out or f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}.json"
     settings = {
         "data_dir": str(Path(args.data_dir).resolve()), "datasets": datasets, "methods": methods,
-        "splits": splits, "first_split": args.first_split, "epochs": epochs, "batch_size": args.batch_size, "quick": args.quick,
+        "splits": splits, "first_split": args.first_split, "epochs": epochs, "batch_size": args.batch_size,
+        "quick": args.quick,
         "learning_rate": LEARNING_RATE, "learning_rate_decay_second_half": LEARNING_RATE_DECAY,
         "prior_variance": PRIOR_VARIANCE, "kl_weight": KL_WEIGHT,
         "num_predictive_samples": NUM_PREDICTIVE_SAMPLES,
