@@ -74,6 +74,8 @@ def test_first_split_selects_a_range_of_splits(tmp_path):
     assert [s["split"] for s in summary["splits"]] == [1, 2] and summary["n_splits"] == 2
     with pytest.raises(SystemExit, match="toy has splits 0 to 2"):
         uci.run_benchmark(tmp_path, "toy", "adam", epochs=1, first_split=3)
+    with pytest.raises(SystemExit, match="at least one split"):
+        uci.run_benchmark(tmp_path, "toy", "adam", splits=0, epochs=1)
 
 
 def test_dataset_names_and_aliases():

@@ -306,6 +306,8 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
     rows, n_splits, num_hidden = dataset_info(data_dir, dataset)
     if not 0 <= first_split < n_splits:
         raise SystemExit(f"--first-split {first_split}: {dataset} has splits 0 to {n_splits - 1}")
+    if splits is not None and splits < 1:
+        raise SystemExit(f"--splits {splits}: run at least one split")
     split_ids = range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
     if batch_size is None:
         batch_size = SMALL_BATCH_SIZE if rows < SMALL_DATASET_ROWS else LARGE_BATCH_SIZE
