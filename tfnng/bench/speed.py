@@ -1,18 +1,18 @@
 """Training-step time and optimizer-state memory of each tfnng optimizer, as ratios to Keras Adam.
 
-All optimizers are measured in one process on the same models (an MLP 784-400-400-10 and a small CNN
-on 28x28x1 inputs, both ending in 10 logits with ``CategoricalNLL``), the same random in-memory batch
-of 128 (``--batch-size``) and the same ``jit_compile`` setting. After a warm-up (tracing) each
-optimizer trains for ``--steps`` steps with ``model.fit`` on that batch repeated; this is repeated
-``--repeats`` times with the optimizers interleaved (their order rotated from repeat to repeat) so
-that drift of the machine hits all of them alike, and the median time per step is reported, both wall-clock and process CPU time
-(all threads). On a machine shared with other work the wall-clock time is distorted by waiting for the
-CPU; the CPU time is not, so its ratio is the steadier one there. Memory is the total size in bytes of
-``optimizer.variables``, all of them: the per-weight slots (moments, curvature, posterior mean) and
-the few scalars (iteration and update counters, learning rate, random-seed state). Targets (reported,
-not asserted): for the diagonal family step time at most 1.15x and state memory at most 2.5x that of
-Adam; noisy K-FAC at most 1.6x; VOGN at most 2x and SLANG (L = 8) at most 4x. The "-generic" rows
-train the same optimizer on a copy of the model whose layers the fast per-example path does not
+All optimizers are measured in one process on the same models (an MLP 784-400-400-10 and a small CNN on
+28x28x1 inputs, both ending in 10 logits with ``CategoricalNLL``), the same random in-memory batch of
+128 (``--batch-size``) and the same ``jit_compile`` setting. After a warm-up (tracing) each optimizer
+trains for ``--steps`` steps with ``model.fit`` on that batch repeated; this is repeated ``--repeats``
+times with the optimizers interleaved (their order rotated from repeat to repeat) so that drift of the
+machine hits all of them alike, and the median time per step is reported, both wall-clock and process
+CPU time (all threads). On a machine shared with other work the wall-clock time is distorted by waiting
+for the CPU; the CPU time is not, so its ratio is the steadier one there. Memory is the total size in
+bytes of ``optimizer.variables``, all of them: the per-weight slots (moments, curvature, posterior mean)
+and the few scalars (iteration and update counters, learning rate, random-seed state). Targets
+(reported, not asserted): for the diagonal family step time at most 1.15x and state memory at most 2.5x
+that of Adam; noisy K-FAC at most 1.6x; VOGN at most 2x and SLANG (L = 8) at most 4x. The "-generic"
+rows train the same optimizer on a copy of the model whose layers the fast per-example path does not
 recognise, measuring the generic (``tf.vectorized_map``) path.
 """
 
@@ -236,7 +236,8 @@ def run(args):
               f"{r['amortised_inverse_update_ratio']:.3f}"] for r in inverse_rows],
             title="\nK-FAC inverse update alone (already included in the step times above)")
     settings = {
-        "models": model_names, "optimizers": list(optimizers), "slang_rank": SLANG_RANK, "batch_size": args.batch_size, "steps": args.steps,
+        "models": model_names, "optimizers": list(optimizers), "slang_rank": SLANG_RANK,
+        "batch_size": args.batch_size, "steps": args.steps,
         "repeats": args.repeats, "warmup_steps": args.warmup_steps, "jit_compile": args.jit_compile,
         "steps_per_execution": 1, "num_examples": NUM_EXAMPLES, "learning_rate": LEARNING_RATE,
         "targets": TARGETS,
