@@ -212,3 +212,73 @@ def test_dense_on_sequences_treats_extra_axes_as_positions():
                                rtol=1e-12)
     np.testing.assert_allclose(factors["seq"][1], np.einsum("ntp,ntr->pr", g_all, g_all) / 20,
                                rtol=1e-10, atol=1e-15)
+
+
+def _built_kfac(net, **kwargs):
+    capture = cap.LayerCapture(net)
+    optimizer = tfnng.optimizers.NoisyKFAC(num_examples=100, seed=0, **kwargs)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    return optimizer, capture
+
+
+@pytest.mark.parametrize("count, stat_decay", [(0, 0.3), (1, 0.3), (3, 0.01)])
+def test_factor_averages_count_the_initial_value_as_hess_init_count_updates(count, stat_decay):
+    """Step 1 of the module docstring: A_0 = S_0 = sqrt(hess_init) I, the n-th statistics update has
+    rate max(beta~, 1/(n + c)) — a running average of c copies of the initial value and the batches
+    seen, then an EMA. Checked against that recursion in numpy for four random batches."""
+    net = _mlp()
+    hess_init = 2.0
+    optimizer, capture = _built_kfac(net, stat_decay=stat_decay, hess_init=hess_init,
+                                     hess_init_count=count)
+    rng = np.random.default_rng(3)
+    expected = {spec.name: [np.sqrt(hess_init) * np.eye(n) if count else np.zeros((n, n))
+                            for n in optimizer._blocks[i].spec.weight_shape]
+                for i, spec in enumerate(capture.specs)}
+    for n in range(1, 5):
+        captured = {}
+        for spec in capture.specs:
+            fan_in = spec.kernel.shape[0]
+            captured[spec.name] = cap.CapturedLayer(
+                inputs=tf.constant(rng.normal(size=(6, fan_in))), zero=None,
+                preactivation_grads=tf.constant(rng.normal(size=(6, spec.kernel.shape[1]))))
+        optimizer._update_factors(captured)
+        rate = max(stat_decay, 1.0 / (n + count))
+        for spec in capture.specs:
+            record = captured[spec.name]
+            batch = [f.numpy() for f in kfac_factors.factors(spec, record.inputs,
+                                                              record.preactivation_grads)]
+            expected[spec.name] = [(1 - rate) * old + rate * new
+                                   for old, new in zip(expected[spec.name], batch)]
+    for block in optimizer._blocks:
+        a, s = expected[block.spec.name]
+        np.testing.assert_allclose(block.state["a"].numpy(), a, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(block.state["s"].numpy(), s, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("count", [0, 1])
+@pytest.mark.parametrize("block_tridiagonal", [False, True])
+def test_initial_cache_is_the_one_of_the_initial_factors(count, block_tridiagonal):
+    """Until the first inverse update the optimizer samples and preconditions with its initial cache
+    (and reports its KL): it must be what an inverse update computes from the initial factors."""
+    net = _mlp()
+    optimizer, _ = _built_kfac(net, hess_init=0.5, hess_init_count=count, prior_variance=0.3,
+                               block_tridiagonal=block_tridiagonal)
+    assert bool(optimizer._chains) == block_tridiagonal
+    cached = [(name, v, v.numpy()) for block in optimizer._blocks
+              for name, v in _cache_variables(block)]
+    assert cached
+    kl_before = optimizer.kl_divergence().numpy()
+    optimizer._update_inverses()
+    for name, variable, before in cached:
+        np.testing.assert_allclose(before, variable.numpy(), rtol=1e-6, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(kl_before, optimizer.kl_divergence().numpy(), rtol=1e-9)
+
+
+def _cache_variables(block):
+    for key in ("a_inv", "s_inv", "a_root", "s_root", "kl_offset"):
+        if key in block.state:
+            yield key, block.state[key]
+    for kind in ("step", "sample"):
+        for key, variable in block.state.get(kind, {}).items():
+            yield f"{kind}/{key}", variable

@@ -85,8 +85,7 @@ MODELS = {"mlp": _mlp, "cnn": _cnn}
 def _make_optimizer(name):
     if name == "Adam":
         return keras.optimizers.Adam(learning_rate=LEARNING_RATE)
-    # NNG App. C.2: T_stats = 10, T_inv = 200 and the KL-clipped step (c_0 = 1e-3); without the
-    # clipping noisy K-FAC diverged on the CNN within 5 steps (docs/kfac.md, "The first steps").
+    # NNG App. C.2: T_stats = 10, T_inv = 200 and the KL-clipped step (c_0 = 1e-3).
     if name == "NoisyKFAC":
         return tfnng.optimizers.NoisyKFAC(learning_rate=LEARNING_RATE, num_examples=NUM_EXAMPLES,
                                           stats_every=10, inverse_every=200, kl_clip=1e-3, seed=0)
