@@ -8,8 +8,6 @@ import pytest
 import tensorflow as tf
 from scipy import integrate, special, stats
 
-import tfnng.layers
-import tfnng.losses
 from tfnng._markers import is_point_estimate
 from tfnng.layers import NoisePrecision
 from tfnng.losses import GaussianNLL
