@@ -152,9 +152,13 @@ GAMMA = KL_WEIGHT / (N * ETA)     # intrinsic damping with this kl_weight
 SCALE = KL_WEIGHT / N             # covariance = SCALE * P^-1
 
 
-def test_vogn_equals_numpy_reference_with_natural_momentum():
+@pytest.mark.parametrize("momentum", [0.6, 0.0])
+def test_vogn_equals_numpy_reference_with_natural_momentum(momentum):
     eps = list(np.random.default_rng(2).normal(size=(STEPS, D, 1)))
-    means, optimizer = run_optimizer(tfnng.optimizers.VOGN(momentum=0.6, **common_kwargs()), eps)
+    means, optimizer = run_optimizer(tfnng.optimizers.VOGN(momentum=momentum, **common_kwargs()),
+                                     eps)
+    # mu_prev is state only with momentum: without it VOGN keeps the mean and s per weight
+    assert any("previous_mean" in v.path for v in optimizer.variables) == (momentum > 0)
     mu, prev, s, w = np.zeros(D), np.zeros(D), np.full(D, H0), np.zeros(D)
     expected = []
     for t, (x, y) in enumerate(reference_batches()):
@@ -163,7 +167,7 @@ def test_vogn_equals_numpy_reference_with_natural_momentum():
         new_s = (1 - BETA) * s + BETA * h
         velocity = mu - prev if t > 0 else 0.0
         new_mu = (mu - LR * (g + GAMMA * mu) / (new_s + GAMMA + GAMMA_EX)
-                  + 0.6 * (s + GAMMA + GAMMA_EX) / (new_s + GAMMA + GAMMA_EX) * velocity)
+                  + momentum * (s + GAMMA + GAMMA_EX) / (new_s + GAMMA + GAMMA_EX) * velocity)
         prev, mu, s = mu, new_mu, new_s
         w = mu + np.sqrt(SCALE / (s + GAMMA)) * eps[t][:, 0]
         expected.append(mu)

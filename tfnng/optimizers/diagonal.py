@@ -171,7 +171,9 @@ class VOGN(PerExampleOptimizer):
                          hess_init=hess_init, extrinsic_damping=extrinsic_damping, fisher=fisher,
                          name=name, **kwargs)
         self.momentum = _probability("momentum", momentum)
-        self._slots = {"hessian": self.hess_init, "previous_mean": 0.0}
+        self._slots = {"hessian": self.hess_init}
+        if self.momentum > 0:       # mu_prev of eq. 18: only kept when it is used
+            self._slots["previous_mean"] = 0.0
 
     def _sample_statistics(self, index, gradient, sample):
         return {"grad": gradient,
@@ -182,17 +184,18 @@ class VOGN(PerExampleOptimizer):
 
     def _update_posterior(self, index, stats, lr):
         mu, s = self._means[index], self._slot("hessian", index)
-        previous = self._slot("previous_mean", index)
         beta = self._beta_now(lr.dtype)
         damping = self.intrinsic_damping + self.extrinsic_damping
         new_s = (1 - beta) * s + beta * stats["hessian"]
-        # mu_prev of the first update is mu itself (no momentum yet).
-        velocity = tf.where(self._update_count > 0, mu - previous, tf.zeros_like(mu))
-        step = (lr * (stats["grad"] + self.intrinsic_damping * mu)
-                - self.momentum * (s + damping) * velocity) / (new_s + damping)
-        previous.assign(mu)
+        step = lr * (stats["grad"] + self.intrinsic_damping * mu)
+        if self.momentum > 0:
+            previous = self._slot("previous_mean", index)
+            # mu_prev of the first update is mu itself (no momentum yet).
+            velocity = tf.where(self._update_count > 0, mu - previous, tf.zeros_like(mu))
+            step -= self.momentum * (s + damping) * velocity
+            previous.assign(mu)
         s.assign(new_s)
-        mu.assign_sub(step)
+        mu.assign_sub(step / (new_s + damping))
 
     def get_config(self):
         return {**super().get_config(), "momentum": self.momentum}
