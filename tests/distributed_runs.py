@@ -76,9 +76,8 @@ CASES = {
     "ivon": Case(lambda n: _opt.IVON(5e-2, n, hess_init=0.5, seed=SEED)),
     "noisy_kfac_empirical": Case(
         lambda n: _opt.NoisyKFAC(5e-2, n, fisher="empirical", **_kfac), True),
-    "noisy_kfac_true": Case(   # the output layer's factor S after its first update, which
-        # replaces the start (hess_init_count=0)
-        lambda n: _opt.NoisyKFAC(5e-2, n, hess_init_count=0, **_kfac), True, one_step=True,
+    "noisy_kfac_true": Case(   # the output layer's factor S after its first (averaging) update
+        lambda n: _opt.NoisyKFAC(5e-2, n, **_kfac), True, one_step=True,
         reference=_OTHER_TARGETS, target_statistic=(r"kfac_1_s$", 1.0 / NOISE_VARIANCE)),
     "noisy_kfac_blocktri": Case(
         lambda n: _opt.NoisyKFAC(5e-2, n, fisher="empirical", block_tridiagonal=True, **_kfac),

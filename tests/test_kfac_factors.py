@@ -222,32 +222,36 @@ def _built_kfac(net, **kwargs):
     return optimizer, capture
 
 
-@pytest.mark.parametrize("count, stat_decay", [(0, 0.3), (1, 0.3), (3, 0.01)])
-def test_factor_averages_count_the_initial_value_as_hess_init_count_updates(count, stat_decay):
-    """Step 1 of the module docstring: A_0 = S_0 = sqrt(hess_init) I, the n-th statistics update has
-    rate max(beta~, 1/(n + c)) — a running average of c copies of the initial value and the batches
-    seen, then an EMA. Checked against that recursion in numpy for four random batches."""
+@pytest.mark.parametrize("count, stat_decay", [(0, 0.3), (1, 0.3), (4, 0.01)])
+def test_factor_averages_start_at_an_isotropic_prior_worth_factor_prior_count_batches(count,
+                                                                                      stat_decay):
+    """Step 1 of the noisy K-FAC module docstring: the averages start, at the first statistics
+    update, at ``(tr F_1 / d) I`` counted as c batches; the n-th update has rate
+    max(beta~, 1/(n + c)). Checked against that recursion in numpy for four random batches of two
+    examples (fewer than the factors' dimensions 4-6: one batch's factors are singular)."""
     net = _mlp()
-    hess_init = 2.0
-    optimizer, capture = _built_kfac(net, stat_decay=stat_decay, hess_init=hess_init,
-                                     hess_init_count=count)
+    optimizer, capture = _built_kfac(net, stat_decay=stat_decay, factor_prior_count=count)
     rng = np.random.default_rng(3)
-    expected = {spec.name: [np.sqrt(hess_init) * np.eye(n) if count else np.zeros((n, n))
-                            for n in optimizer._blocks[i].spec.weight_shape]
-                for i, spec in enumerate(capture.specs)}
+    expected = {}
     for n in range(1, 5):
         captured = {}
         for spec in capture.specs:
             fan_in = spec.kernel.shape[0]
             captured[spec.name] = cap.CapturedLayer(
-                inputs=tf.constant(rng.normal(size=(6, fan_in))), zero=None,
-                preactivation_grads=tf.constant(rng.normal(size=(6, spec.kernel.shape[1]))))
+                inputs=tf.constant(rng.normal(size=(2, fan_in))), zero=None,
+                preactivation_grads=tf.constant(rng.normal(size=(2, spec.kernel.shape[1]))))
         optimizer._update_factors(captured)
+        if n == 1:     # positive definite with the prior, of rank 2 without
+            smallest = min(np.linalg.eigvalsh(b.state[k].numpy())[0]
+                           for b in optimizer._blocks for k in ("a", "s"))
+            assert (smallest > 1e-3) if count else (abs(smallest) < 1e-12)
         rate = max(stat_decay, 1.0 / (n + count))
         for spec in capture.specs:
             record = captured[spec.name]
             batch = [f.numpy() for f in kfac_factors.factors(spec, record.inputs,
                                                               record.preactivation_grads)]
+            if n == 1:
+                expected[spec.name] = [np.trace(f) / len(f) * np.eye(len(f)) for f in batch]
             expected[spec.name] = [(1 - rate) * old + rate * new
                                    for old, new in zip(expected[spec.name], batch)]
     for block in optimizer._blocks:
@@ -256,14 +260,13 @@ def test_factor_averages_count_the_initial_value_as_hess_init_count_updates(coun
         np.testing.assert_allclose(block.state["s"].numpy(), s, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("count", [0, 1])
 @pytest.mark.parametrize("block_tridiagonal", [False, True])
-def test_initial_cache_is_the_one_of_the_initial_factors(count, block_tridiagonal):
+def test_initial_cache_is_the_one_of_the_initial_factors(block_tridiagonal):
     """Until the first inverse update the optimizer samples and preconditions with its initial cache
-    (and reports its KL): it must be what an inverse update computes from the initial factors."""
+    (and reports its KL): it must be what an inverse update computes from the initial (zero)
+    factors — the prior, around the model's initial weights."""
     net = _mlp()
-    optimizer, _ = _built_kfac(net, hess_init=0.5, hess_init_count=count, prior_variance=0.3,
-                               block_tridiagonal=block_tridiagonal)
+    optimizer, _ = _built_kfac(net, prior_variance=0.3, block_tridiagonal=block_tridiagonal)
     assert bool(optimizer._chains) == block_tridiagonal
     cached = [(name, v, v.numpy()) for block in optimizer._blocks
               for name, v in _cache_variables(block)]

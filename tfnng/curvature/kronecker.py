@@ -104,3 +104,10 @@ def cross_factors(spec_1, inputs_1, grads_1, spec_2, inputs_2, grads_2):
     batch = tf.cast(tf.shape(a1)[0], a1.dtype)
     return (tf.matmul(a1, a2, transpose_a=True) / batch,
             tf.matmul(g1, g2, transpose_a=True) / batch)
+
+
+def isotropic_part(factor):
+    """``(tr F / d) I`` for a ``d x d`` factor ``F``: the multiple of the identity with its trace (its
+    mean eigenvalue times I), the start of noisy K-FAC's factor averages."""
+    dim = factor.shape[0]
+    return tf.eye(dim, dtype=factor.dtype) * (tf.linalg.trace(factor) / dim)

@@ -10,12 +10,15 @@ and each update ``k`` (counted from 0) does, in this order:
 
 1. if ``k % stats_every == 0``: update the EMA factors (eq. 12) with rate ``stat_decay`` (beta~)
    from the layer inputs and pre-activation gradients given by the training step (KFC for Conv2D).
-   Alg. 2 leaves the initial factors open: tfnng starts them at ``A_0 = S_0 = sqrt(hess_init) I``
-   (so ``S_0 (x) A_0 = hess_init I``, the diagonal family's ``hess_init``) and lets that value count
-   as ``c = hess_init_count`` statistics updates: the n-th update has rate ``max(beta~, 1/(n + c))``,
-   a running average of the prior guess and the batches seen so far until it reaches beta~. With
-   ``c = 0`` the first statistics replace the initial value, and until the data have reached every
-   direction the posterior is as wide as the prior there (docs/kfac.md, "The first steps");
+   A batch of B examples gives factors of rank at most B (times a convolution's positions), and in
+   every direction the data have not reached the posterior of eq. 13 would be as wide as the prior.
+   Alg. 2 leaves the start of the averages open: tfnng starts them, at the first statistics update,
+   at the isotropic part ``(tr F / dim) I`` of that update's factor ``F`` (the cross factors of
+   block-tridiagonal chains at 0), counted as ``c = factor_prior_count`` batches; the n-th update
+   has rate ``max(beta~, 1/(n + c))``, a running average of that prior and the batches seen until it
+   reaches beta~ (a shrinkage of the first estimates towards a multiple of the identity, like
+   Ledoit & Wolf's). With ``c = 0`` the first batch's factors are used alone (the n-th rate is
+   ``max(beta~, 1/n)``);
 2. if ``k % inverse_every == 0`` (and, with ``inverse_warmup``, at every statistics update of the
    first ``inverse_every`` updates, so that the first ``T_inv`` steps do not sample from and
    precondition with factors estimated from a single batch — a departure from Alg. 2, which can be
@@ -116,7 +119,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         extrinsic_damping: gamma_ex, added to gamma_in for the mean step only. Default 1e-3:
             with gamma_in = lambda / (N eta) alone (1.7e-5 for N = 60000) the step amplifies
             poorly estimated directions up to 1/gamma_in times, and an MNIST-sized MLP diverged
-            within 60 steps at learning rate 1e-3 (``tests/test_bayesian_model.py``).
+            within 60 steps at learning rate 1e-3 (``tests/test_bayesian_model.py``; with the
+            factors of the first batch alone, ``factor_prior_count=0``).
         stats_every: T_stats, factor update interval in updates.
         inverse_every: T_inv, inverse update interval in updates.
         fisher: ``"true"`` (targets sampled from the model's predictive, NNG footnote 1) or
@@ -127,12 +131,10 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         kl_clip_decay_steps: updates between increments of j (default: never).
         inverse_warmup: also refresh the inverses at every statistics update during the first
             ``inverse_every`` updates (default True; False follows Alg. 2 literally).
-        hess_init: initial value of the Kronecker-factored Fisher, ``A_0 = S_0 = sqrt(hess_init) I``
-            (> 0). Default 1, as the diagonal optimizers' ``hess_init``.
-        hess_init_count: how many statistics updates the initial value counts for in the factor
-            averages (>= 0; step 1 above). Default 1. 0 lets the first batch's statistics replace
-            it: with N = 60000 the MLP and CNN of ``bench speed`` then diverged within 5 steps at
-            learning rate 1e-3 unless the step was KL-clipped.
+        factor_prior_count: weight, in batches, of the isotropic start of the factor averages
+            (step 1 above; >= 0, default 4). With 0 the speed benchmark's CNN (N = 60000, learning
+            rate 1e-3) diverged within 6 steps unless the step was KL-clipped
+            (``tests/test_bayesian_model.py``).
 
     See :class:`~tfnng.optimizers.base.NoisyOptimizer` for ``prior_variance``, ``kl_weight``,
     ``seed``. ``mc_samples`` must be 1.
@@ -143,8 +145,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     def __init__(self, learning_rate=1e-3, num_examples=None, stat_decay=0.01, momentum=0.0,
                  extrinsic_damping=1e-3, stats_every=10, inverse_every=200, fisher="true",
                  block_tridiagonal=False, kl_clip=None, kl_clip_decay=1.0, kl_clip_decay_steps=None,
-                 inverse_warmup=True, hess_init=1.0, hess_init_count=1, name="noisy_kfac",
-                 **kwargs):
+                 inverse_warmup=True, factor_prior_count=4, name="noisy_kfac", **kwargs):
         if kwargs.get("mc_samples", 1) != 1:
             raise ValueError(f"{type(self).__name__} supports `mc_samples=1` only.")
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
@@ -162,8 +163,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         self.kl_clip_decay_steps = (None if kl_clip_decay_steps is None
                                     else _positive_int("kl_clip_decay_steps", kl_clip_decay_steps))
         self.inverse_warmup = bool(inverse_warmup)
-        self.hess_init = _positive("hess_init", hess_init)
-        self.hess_init_count = _non_negative("hess_init_count", hess_init_count)
+        self.factor_prior_count = _non_negative("factor_prior_count", factor_prior_count)
 
     # ------------------------------------------------------------------------ curvature protocol
     @property
@@ -280,43 +280,25 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         return self.add_variable(tuple(int(d) for d in shape), initializer=initializer, dtype=dtype,
                                  name=name)
 
-    @property
-    def _initial_factor(self):
-        """The eigenvalue of ``A_0 = S_0`` (0 when the first statistics replace them)."""
-        return math.sqrt(self.hess_init) if self.hess_init_count > 0 else 0.0
-
-    def _initial_damped_factor(self, damping):
-        """The eigenvalue of ``A_0 + pi sqrt(gamma) I`` (= that of ``S_0 + sqrt(gamma)/pi I``: pi = 1
-        for factors with equal per-dimension traces)."""
-        return self._initial_factor + math.sqrt(damping)
-
-    def _initial_kl_offset(self, p, q):
-        """The KL to the prior of the initial posterior around a zero mean (eq. 13 with A_0, S_0)."""
-        value = self._initial_damped_factor(self.sampling_damping)
-        return lambda shape, dtype: tf.cast(_kron.mvg_kl_to_isotropic_prior(
-            tf.zeros([1, 1], tf.float64), tf.fill([p], tf.constant(value, tf.float64)),
-            tf.fill([q], tf.constant(value, tf.float64)), self.noise_scale, self.prior_variance), dtype)
-
     def _build_block_state(self, n, block, dtype):
         p, q = block.p, block.q
         prefix = f"kfac_{n}"
+        gin, gall = self.sampling_damping, self.step_damping
         st = block.state
-        st["a"] = self._var((p, p), f"{prefix}_a", dtype, _eye_initializer(self._initial_factor))
-        st["s"] = self._var((q, q), f"{prefix}_s", dtype, _eye_initializer(self._initial_factor))
+        st["a"] = self._var((p, p), f"{prefix}_a", dtype)
+        st["s"] = self._var((q, q), f"{prefix}_s", dtype)
         if self.momentum > 0:
             st["momentum"] = self._var((p, q), f"{prefix}_momentum", dtype)
         if block.chain is not None:
             return
-        # The cache of eq. (13) for the initial factors, until the first inverse update.
-        inverse = _eye_initializer(1.0 / self._initial_damped_factor(self.step_damping))
-        st["a_inv"] = self._var((p, p), f"{prefix}_a_inv", dtype, inverse)
-        st["s_inv"] = self._var((q, q), f"{prefix}_s_inv", dtype, inverse)
+        # Inverses before the first inverse update: the factors are zero, pi = 1.
+        st["a_inv"] = self._var((p, p), f"{prefix}_a_inv", dtype, _eye_initializer(gall ** -0.5))
+        st["s_inv"] = self._var((q, q), f"{prefix}_s_inv", dtype, _eye_initializer(gall ** -0.5))
         if self._noisy:
-            root = _eye_initializer(self._initial_damped_factor(self.sampling_damping) ** -0.5)
-            st["a_root"] = self._var((p, p), f"{prefix}_a_root", dtype, root)
-            st["s_root"] = self._var((q, q), f"{prefix}_s_root", dtype, root)
-            st["kl_offset"] = self._var((), f"{prefix}_kl_offset", "float64",
-                                        self._initial_kl_offset(p, q))
+            root = gin ** -0.25
+            st["a_root"] = self._var((p, p), f"{prefix}_a_root", dtype, _eye_initializer(root))
+            st["s_root"] = self._var((q, q), f"{prefix}_s_root", dtype, _eye_initializer(root))
+            st["kl_offset"] = self._var((), f"{prefix}_kl_offset", "float64")
 
     def _build_chain_state(self, c, chain, dtype):
         for position, block in enumerate(chain[:-1]):
@@ -330,10 +312,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 prefix = f"chain_{c}_{position}_{kind}"
                 p, q = block.p, block.q
                 last = position == len(chain) - 1
-                root = _eye_initializer(self._initial_damped_factor(gamma) ** -0.5)
                 cache = {
-                    "k_a": self._var((p, p), f"{prefix}_k_a", dtype, root),
-                    "k_s": self._var((q, q), f"{prefix}_k_s", dtype, root),
+                    "k_a": self._var((p, p), f"{prefix}_k_a", dtype, _eye_initializer(gamma ** -0.25)),
+                    "k_s": self._var((q, q), f"{prefix}_k_s", dtype, _eye_initializer(gamma ** -0.25)),
                     "d": self._var((p, q), f"{prefix}_d", dtype, _fill_initializer(1.0)),
                 }
                 if not last:
@@ -342,11 +323,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                     cache["psi_s"] = self._var((q, nxt.q), f"{prefix}_psi_s", dtype)
                 block.state[kind] = cache
         if self._noisy:
-            # The initial cross factors are zero: the chain's KL is the sum of its blocks'.
-            offsets = [self._initial_kl_offset(b.p, b.q) for b in chain]
-            chain[0].state["kl_offset"] = self._var(
-                (), f"chain_{c}_kl_offset", "float64",
-                lambda shape, dtype: tf.add_n([offset(shape, dtype) for offset in offsets]))
+            chain[0].state["kl_offset"] = self._var((), f"chain_{c}_kl_offset", "float64")
 
     # --------------------------------------------------------------------- weight matrices
     def _to_matrix(self, block, kernel, bias):
@@ -402,7 +379,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
 
     def _update_factors(self, captured):
         decay = tf.maximum(tf.constant(self.stat_decay, tf.float64),
-                           1.0 / (tf.cast(self._stats_count + 1, tf.float64) + self.hess_init_count))
+                           1.0 / (tf.cast(self._stats_count + 1, tf.float64)
+                                  + self.factor_prior_count))
+        first = tf.equal(self._stats_count, 0)
         new = {}
         for block in self._blocks:
             record = captured[block.spec.name]
@@ -421,8 +400,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             for block in self._blocks:
                 a_new, s_new = new[id(block)]
                 w = tf.cast(decay, a_new.dtype)
-                block.state["a"].assign((1 - w) * block.state["a"] + w * a_new)
-                block.state["s"].assign((1 - w) * block.state["s"] + w * s_new)
+                for key, value in (("a", a_new), ("s", s_new)):
+                    old = tf.where(first, _factors.isotropic_part(value), block.state[key])
+                    block.state[key].assign((1 - w) * old + w * value)
                 if id(block) in cross:
                     a_off, s_off = cross[id(block)]
                     block.state["a_off"].assign((1 - w) * block.state["a_off"] + w * a_off)
@@ -709,8 +689,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 "inverse_every": self.inverse_every, "fisher": self.fisher,
                 "block_tridiagonal": self.block_tridiagonal, "kl_clip": self.kl_clip,
                 "kl_clip_decay": self.kl_clip_decay, "kl_clip_decay_steps": self.kl_clip_decay_steps,
-                "inverse_warmup": self.inverse_warmup, "hess_init": self.hess_init,
-                "hess_init_count": self.hess_init_count}
+                "inverse_warmup": self.inverse_warmup,
+                "factor_prior_count": self.factor_prior_count}
 
 
 @_register
