@@ -78,6 +78,24 @@ def test_first_split_selects_a_range_of_splits(tmp_path):
         uci.run_benchmark(tmp_path, "toy", "adam", splits=0, epochs=1)
 
 
+def test_predictive_samples_reach_the_predictive(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
+                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    counts = []
+    predict = uci.tfnng.predict
+
+    def spy(model, x, num_samples):
+        counts.append(num_samples)
+        return predict(model, x, num_samples=num_samples)
+
+    monkeypatch.setattr(uci.tfnng, "predict", spy)
+    summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=1, num_predictive_samples=7)
+    assert counts == [7] and np.isfinite(summary["test_ll"])
+    with pytest.raises(SystemExit, match="at least one sample"):
+        uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=1, num_predictive_samples=0)
+
+
 def test_dataset_names_and_aliases():
     assert uci.resolve_dataset("boston") == "bostonHousing"
     assert uci.resolve_dataset("yacht") == "yacht"

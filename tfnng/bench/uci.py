@@ -5,7 +5,7 @@ are normalised with the training split's mean and standard deviation (a zero std
 columns of naval-propulsion-plant are constant); the net has one hidden layer of ``n_hidden.txt`` ReLU
 units (50, or 100 for protein) and ends in a ``NoisePrecision`` layer, the Gamma posterior of the noise
 precision of App. C.1, trained with ``GaussianNLL("learned")``. Test RMSE and the per-point test
-log-likelihood (log-mean-exp over 100 weight samples) are reported in the original target units, then
+log-likelihood (log-mean-exp over 100 weight samples, ``--predictive-samples``) are reported in the original target units, then
 averaged over splits (± standard error). Reference numbers of the NNG paper (Table 1) and of MC dropout
 (datasets/uci/README.md) are printed alongside.
 
@@ -248,7 +248,8 @@ def _training_batches(data, batch_size, epochs, seed):
             .prefetch(tf.data.AUTOTUNE))
 
 
-def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbose=0):
+def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbose=0,
+                       num_predictive_samples=NUM_PREDICTIVE_SAMPLES):
     """Train ``method`` on a normalised :class:`Split`; test metrics in original units and timings.
 
     Returns test RMSE, per-point test log-likelihood, the coverage of the central 95% predictive
@@ -272,7 +273,7 @@ def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbo
 
     start = time.perf_counter()
     # A model compiled with a plain Keras optimizer (MAP) gets one deterministic sample.
-    prediction = tfnng.predict(model, data.x_test, num_samples=NUM_PREDICTIVE_SAMPLES)
+    prediction = tfnng.predict(model, data.x_test, num_samples=num_predictive_samples)
     mean = np.asarray(prediction.mean, dtype=np.float64)
     diverged = not np.all(np.isfinite(prediction.outputs))
     # A diverged run (non-finite outputs) is recorded as NaN rather than stopping the benchmark.
@@ -293,14 +294,17 @@ def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbo
     }
 
 
-def run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden):
+def run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
+              num_predictive_samples=NUM_PREDICTIVE_SAMPLES):
     """Train ``method`` on standard split ``split`` of ``dataset`` (seeded by the split number)."""
     data = load_split(data_dir, dataset, split)
     return {"split": split,
-            **train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed=split)}
+            **train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed=split,
+                                 num_predictive_samples=num_predictive_samples)}
 
 
-def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None, first_split=0):
+def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None, first_split=0,
+                  num_predictive_samples=NUM_PREDICTIVE_SAMPLES):
     """Standard splits ``first_split, first_split + 1, ...`` (all, or ``splits`` of them) of one data set
     for one method, with a summary."""
     rows, n_splits, num_hidden = dataset_info(data_dir, dataset)
@@ -308,12 +312,15 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
         raise SystemExit(f"--first-split {first_split}: {dataset} has splits 0 to {n_splits - 1}")
     if splits is not None and splits < 1:
         raise SystemExit(f"--splits {splits}: run at least one split")
+    if num_predictive_samples < 1:
+        raise SystemExit(f"--predictive-samples {num_predictive_samples}: use at least one sample")
     split_ids = range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
     if batch_size is None:
         batch_size = SMALL_BATCH_SIZE if rows < SMALL_DATASET_ROWS else LARGE_BATCH_SIZE
     per_split = []
     for split in split_ids:
-        result = run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden)
+        result = run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
+                           num_predictive_samples)
         optimizer_config = result.pop("optimizer_config")  # the same for all splits but N, seed, decay step
         per_split.append(result)
         print(f"{dataset} {method} split {split}: RMSE {result['rmse']:.4f}  test LL {result['test_ll']:.4f}  "
@@ -379,6 +386,8 @@ def add_arguments(parser):
     parser.add_argument("--epochs", type=int, default=None, help=f"training epochs (default: {EPOCHS})")
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"default: {SMALL_BATCH_SIZE} below {SMALL_DATASET_ROWS} rows, else {LARGE_BATCH_SIZE}")
+    parser.add_argument("--predictive-samples", type=int, default=NUM_PREDICTIVE_SAMPLES,
+                        help="weight samples of the test predictive (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs (unless given)")
     parser.add_argument("--out", default=None, help="JSON file (default: results/uci_<dataset>_<method>.json)")
@@ -396,7 +405,8 @@ def run(args):
         raise SystemExit(f"UCI data not found in {args.data_dir!r} (missing: {', '.join(missing)})")
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
-    summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split)
+    summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split,
+                               args.predictive_samples)
                  for dataset in datasets for method in methods]
     _results.print_table(["dataset", "method", "splits", "epochs", "batch", "test RMSE", "test LL", "time [s]"],
                          _table_rows(summaries), title="\nUCI regression (original units, mean ± standard error)")
@@ -407,7 +417,7 @@ def run(args):
         "quick": args.quick,
         "learning_rate": LEARNING_RATE, "learning_rate_decay_second_half": LEARNING_RATE_DECAY,
         "prior_variance": PRIOR_VARIANCE, "kl_weight": KL_WEIGHT,
-        "num_predictive_samples": NUM_PREDICTIVE_SAMPLES,
+        "num_predictive_samples": args.predictive_samples,
     }
     references = {d: _references(d) for d in datasets}
     _results.write_json(out, "uci", args.command, settings, {"summaries": summaries, "references": references})
