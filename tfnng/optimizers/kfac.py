@@ -382,6 +382,13 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                            1.0 / (tf.cast(self._stats_count + 1, tf.float64)
                                   + self.factor_prior_count))
         first = tf.equal(self._stats_count, 0)
+
+        def start(average, value):
+            """The average before this update: the isotropic prior at the first one (step 1)."""
+            if self.factor_prior_count == 0:     # rate 1 at the first update: the start is unused
+                return average
+            return tf.cond(first, lambda: _factors.isotropic_part(value),
+                           lambda: tf.convert_to_tensor(average))
         new = {}
         for block in self._blocks:
             record = captured[block.spec.name]
@@ -401,8 +408,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 a_new, s_new = new[id(block)]
                 w = tf.cast(decay, a_new.dtype)
                 for key, value in (("a", a_new), ("s", s_new)):
-                    old = tf.where(first, _factors.isotropic_part(value), block.state[key])
-                    block.state[key].assign((1 - w) * old + w * value)
+                    block.state[key].assign((1 - w) * start(block.state[key], value) + w * value)
                 if id(block) in cross:
                     a_off, s_off = cross[id(block)]
                     block.state["a_off"].assign((1 - w) * block.state["a_off"] + w * a_off)
