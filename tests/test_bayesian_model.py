@@ -10,6 +10,7 @@ import tensorflow as tf
 import keras
 
 import tfnng
+from tfnng.bench import speed
 from tfnng.curvature import capture as cap
 from tfnng.posteriors import kronecker as kr
 
@@ -207,11 +208,7 @@ def test_default_factor_prior_keeps_the_first_steps_of_a_cnn_stable():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((128, 28, 28, 1)).astype("float32")
     y = rng.integers(0, 10, 128)
-    net = keras.Sequential([
-        keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"),
-        keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    net = speed.MODELS["cnn"]()
     optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=1e-3, num_examples=60000, seed=0)
     model = tfnng.BayesianModel(net)
     model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
