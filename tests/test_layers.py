@@ -8,18 +8,15 @@ import pytest
 import tensorflow as tf
 from scipy import integrate, special, stats
 
-from tfnng._markers import is_point_estimate
+import tfnng
+from tfnng._markers import is_natural_parameter, is_point_estimate
 from tfnng.layers import NoisePrecision
 from tfnng.losses import GaussianNLL
 
 
-def _inverse_softplus(x):
-    return x + np.log(-np.expm1(-x))
-
-
 def _set_posterior(layer, alpha, beta):
-    layer.unconstrained_shape.assign(_inverse_softplus(np.asarray(alpha, np.float64)))
-    layer.unconstrained_rate.assign(_inverse_softplus(np.asarray(beta, np.float64)))
+    layer.alpha.assign(np.asarray(alpha, np.float64))
+    layer.beta.assign(np.asarray(beta, np.float64))
 
 
 def _gamma_kl_closed_form(a, b, a0, b0):
@@ -91,11 +88,63 @@ def test_add_loss_is_weighted_kl_over_num_examples():
     assert float(model.losses[0]) == pytest.approx(expected, rel=1e-5)
 
 
-def test_variables_are_marked_as_point_estimates():
+def test_variables_are_marked_as_natural_parameters():
     net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), NoisePrecision(20)])
-    marked = {v.path for v in net.trainable_variables if is_point_estimate(v)}
     layer = net.layers[-1]
-    assert marked == {layer.unconstrained_shape.path, layer.unconstrained_rate.path}
+    expected = {layer.alpha.path, layer.beta.path}
+    assert {v.path for v in net.trainable_variables if is_point_estimate(v)} == expected
+    assert {v.path for v in net.trainable_variables if is_natural_parameter(v)} == expected
+
+
+def _known_mean_problem(n=40, a0=6.0, b0=6.0, seed=3):
+    """y ~ N(0, 0.7^2) with a known (zero) mean: p(tau | y) = Gam(a0 + n/2, b0 + sum y^2 / 2)."""
+    y = np.random.default_rng(seed).normal(scale=0.7, size=(n, 1))
+    return y, a0 + n / 2, b0 + 0.5 * np.sum(y**2)
+
+
+def _objective_gradient(layer, model, y):
+    """Gradient of the per-example negative ELBO (loss + KL / N) with respect to (alpha, beta)."""
+    loss = GaussianNLL("learned", dtype=layer.dtype)
+    with tf.GradientTape() as tape:
+        total = loss(y, model(np.zeros_like(y))) + tf.add_n(model.losses)
+    return [g.numpy() for g in tape.gradient(total, [layer.alpha, layer.beta])]
+
+
+@pytest.mark.parametrize("alpha,beta", [(6.0, 2.0), (1.5, 40.0), (300.0, 7.0)])
+def test_gradient_is_the_natural_gradient_conjugate_step_lands_on_the_posterior(alpha, beta):
+    # The natural gradient of ELBO / N in theta = (alpha - 1, -beta) is dL/dm: one full-batch step
+    # v <- v - N g reaches the exact posterior from anywhere (conjugate VI with step size 1), and a
+    # step of size rho moves (alpha, beta) a fraction rho of the way.
+    y, a_n, b_n = _known_mean_problem()
+    n = len(y)
+    layer = NoisePrecision(n, dtype="float64")
+    model = _mean_model(1, layer, dtype="float64")
+    _set_posterior(layer, [alpha], [beta])
+    g_alpha, g_beta = _objective_gradient(layer, model, y)
+    np.testing.assert_allclose([alpha - n * g_alpha[0], beta - n * g_beta[0]], [a_n, b_n], rtol=1e-9)
+    rho = 0.3
+    np.testing.assert_allclose(
+        [alpha - rho * n * g_alpha[0], beta - rho * n * g_beta[0]],
+        [(1 - rho) * alpha + rho * a_n, (1 - rho) * beta + rho * b_n], rtol=1e-9)
+
+
+def test_tfnng_optimizer_takes_the_natural_gradient_step():
+    # Inside model.fit, a tfnng optimizer moves q(tau) by v <- v - min(lr, 1) N g: with a predicted
+    # mean fixed at zero (the input is zero), each full-batch step is the conjugate update above.
+    y, a_n, b_n = _known_mean_problem()
+    n = len(y)
+    net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False),
+                            NoisePrecision(n)])
+    rho = 0.25
+    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=rho, num_examples=n),
+                loss=GaussianNLL("learned"))
+    layer = net.layers[-1]
+    alpha, beta = 6.0, 2.0
+    for _ in range(3):
+        net.fit(np.zeros((n, 1), np.float32), y.astype(np.float32), batch_size=n, verbose=0)
+        alpha, beta = (1 - rho) * alpha + rho * a_n, (1 - rho) * beta + rho * b_n
+        np.testing.assert_allclose([float(layer.alpha[0]), float(layer.beta[0])], [alpha, beta],
+                                   rtol=1e-5)
 
 
 def test_exact_posterior_maximises_elbo_and_attains_log_evidence():
@@ -115,7 +164,7 @@ def test_exact_posterior_maximises_elbo_and_attains_log_evidence():
     _set_posterior(layer, [a_n], [b_n])
     with tf.GradientTape() as tape:
         total = loss(y, model(np.zeros((n, 1)))) + tf.add_n(model.losses)
-    grads = tape.gradient(total, [layer.unconstrained_shape, layer.unconstrained_rate])
+    grads = tape.gradient(total, [layer.alpha, layer.beta])
     assert -n * float(total) == pytest.approx(log_evidence, rel=1e-10)
     assert max(abs(float(g[0])) for g in grads) < 1e-10
     # Away from the posterior the objective is larger (ELBO smaller) and the gradient is not zero.
@@ -123,7 +172,7 @@ def test_exact_posterior_maximises_elbo_and_attains_log_evidence():
     with tf.GradientTape() as tape:
         worse = loss(y, model(np.zeros((n, 1)))) + tf.add_n(model.losses)
     assert float(worse) > float(total)
-    assert abs(float(tape.gradient(worse, layer.unconstrained_shape)[0])) > 1e-3
+    assert abs(float(tape.gradient(worse, layer.alpha)[0])) > 1e-3
 
 
 def test_keras_total_loss_is_negative_elbo_per_example():
@@ -201,8 +250,7 @@ def test_save_and_load_model_without_custom_objects(tmp_path):
     noise = loaded.layers[-1]
     assert isinstance(noise, NoisePrecision)
     assert noise.get_config() == model.layers[-1].get_config()
-    assert is_point_estimate(noise.unconstrained_shape)
-    assert is_point_estimate(noise.unconstrained_rate)
+    assert is_natural_parameter(noise.alpha) and is_natural_parameter(noise.beta)
     reloaded_loss = loaded.evaluate(x, y, verbose=0)
     assert math.isfinite(reloaded_loss)
     assert reloaded_loss == pytest.approx(model.evaluate(x, y, verbose=0), rel=1e-5)

@@ -221,3 +221,34 @@ def test_weight_noise_is_seeded_and_drawn_with_philox_also_under_xla():
     values = draw().numpy()
     assert abs(values.mean()) < 5 / np.sqrt(values.size)
     assert abs(values.var() - 1.0) < 5 * np.sqrt(2 / values.size)
+
+
+class _Offset(keras.layers.Layer):
+    """Adds a scalar marked with ``tfnng.mark_point_estimate``: a variational parameter fitted by
+    Adam, without weight noise or prior."""
+
+    def build(self, input_shape):
+        self.offset = tfnng.mark_point_estimate(self.add_weight(shape=(), initializer="zeros"))
+
+    def call(self, inputs):
+        return inputs + self.offset
+
+
+@pytest.mark.parametrize("method", ["NoisyAdam", "VOGN"])
+def test_point_estimates_take_a_bias_corrected_adam_step(method):
+    # The Dense layer sees zero inputs, so the prediction is the offset c alone and the Gaussian NLL
+    # with noise variance 1/2, (y - c)^2 + const, has the gradient 2 (c - mean y) whatever weight
+    # sample is drawn.
+    y = np.linspace(0.5, 1.5, 8, dtype=np.float32)[:, None]
+    net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False), _Offset()])
+    lr = 0.05
+    optimizer = getattr(tfnng.optimizers, method)(learning_rate=lr, num_examples=len(y))
+    model = tfnng.BayesianModel(net) if method == "VOGN" else net
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
+    c, m, v = 0.0, 0.0, 0.0
+    for t in range(1, 6):
+        model.fit(np.zeros_like(y), y, batch_size=len(y), verbose=0)
+        g = 2 * (c - float(y.mean()))
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g**2
+        c -= lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-7)
+        assert float(net.layers[-1].offset) == pytest.approx(c, rel=1e-5)

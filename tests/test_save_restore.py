@@ -195,7 +195,7 @@ def test_the_compared_state_covers_curvature_inverses_counters_and_rng():
     for part in ("posterior_mean", "means_initialized", "update_count", "skipped_updates",
                  "seed_generator_state", "stats_count", "inverse_failures", "chain_0_0_a_off",
                  "chain_0_0_step_k_a", "chain_0_0_sample_psi_a", "chain_0_kl_offset",
-                 "diag_fisher", "point_m"):
+                 "diag_fisher"):
         assert part in names, part
     kfac, _, _ = trained(CASES["noisy_kfac"][0], "categorical")
     names = " ".join(v.path for v in kfac.optimizer.variables)

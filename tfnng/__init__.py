@@ -11,7 +11,8 @@ of an ordinary Keras model (Zhang et al. 2018; Khan et al. 2018; Shen et al. 202
 from tfnng import curvature, layers, losses, metrics, models, optimizers, posteriors
 from tfnng import callbacks, serving
 from tfnng.models import BayesianModel
-from tfnng._markers import is_point_estimate, mark_point_estimate
+from tfnng._markers import (is_natural_parameter, is_point_estimate, mark_natural_parameter,
+                            mark_point_estimate)
 from tfnng.predict import Predictive, predict
 
 __version__ = "0.1.0"
@@ -19,5 +20,6 @@ __version__ = "0.1.0"
 __all__ = [
     "callbacks", "curvature", "layers", "losses", "metrics", "models", "optimizers", "posteriors",
     "serving", "BayesianModel",
-    "predict", "Predictive", "mark_point_estimate", "is_point_estimate", "__version__",
+    "predict", "Predictive", "mark_point_estimate", "is_point_estimate",
+    "mark_natural_parameter", "is_natural_parameter", "__version__",
 ]

@@ -13,14 +13,31 @@ import keras
 import tensorflow as tf
 import tensorflow_probability as tfp
 
-from tfnng._markers import mark_point_estimate
+from tfnng._markers import mark_natural_parameter
 
 tfd = tfp.distributions
 
 
-def _inverse_softplus(x):
-    """The u with softplus(u) = x, for a Python float x > 0."""
-    return x + math.log(-math.expm1(-x))
+@tf.custom_gradient
+def _with_natural_gradient(alpha, beta):
+    """Identity on (alpha, beta) whose backward pass maps dL/d(alpha, beta) to (dL/dm1, -dL/dm2), the
+    gradient with respect to the Gamma mean parameters m = (digamma(alpha) - log beta, alpha / beta)
+    in the coordinates of (alpha, beta) = (theta1 + 1, -theta2): the natural gradient in theta.
+
+    With J = dm/d(alpha, beta) = [[psi'(alpha), -1/beta], [1/beta, -alpha/beta^2]] this is
+    diag(1, -1) J^-T dL/d(alpha, beta); det J = (1 - alpha psi'(alpha)) / beta^2 < 0. Computed in
+    float64: 1 - alpha psi'(alpha) ~ -1/(2 alpha) cancels badly in float32 for large alpha.
+    """
+    def grad(g_alpha, g_beta):
+        a, b = tf.cast(alpha, tf.float64), tf.cast(beta, tf.float64)
+        ga, gb = tf.cast(g_alpha, tf.float64), tf.cast(g_beta, tf.float64)
+        trigamma = tf.math.polygamma(tf.constant(1.0, tf.float64), a)
+        scale = 1.0 / (a * trigamma - 1.0)      # > 0
+        d_alpha = (a * ga + b * gb) * scale
+        d_beta = b * (ga + b * trigamma * gb) * scale
+        return tf.cast(d_alpha, alpha.dtype), tf.cast(d_beta, beta.dtype)
+
+    return (tf.identity(alpha), tf.identity(beta)), grad
 
 
 def _check_positive(name, value):
@@ -48,9 +65,18 @@ class NoisePrecision(keras.layers.Layer):
     ``kl_weight * sum_j KL(q(tau_j) || p(tau_j)) / num_examples`` with ``add_loss``, so the compiled
     loss plus this term is -(eq. 24) / N without the weights' KL.
 
-    alpha = softplus(u_alpha), beta = softplus(u_beta) for trainable u's of shape ``(d,)``, marked
-    as point estimates (``tfnng._markers``): tfnng optimizers fit them by a plain Adam step, without
-    weight noise or prior. The defaults ``initial_shape=6, initial_rate=2`` start q at
+    alpha and beta are trainable variables of shape ``(d,)`` holding the parameters themselves; they
+    are affine images of the natural parameters (alpha - 1, -beta) of the Gamma family, marked with
+    ``tfnng.mark_natural_parameter``. ``call`` routes their gradient through the mean parameters
+    (E[log tau], E[tau]) = (digamma(alpha) - log beta, alpha / beta), so the gradient of the loss is
+    the natural gradient (Khan & Lin 2017) and tfnng optimizers fit q(tau) by the stochastic
+    natural-gradient step of conjugate VI (Hoffman et al. 2013): with step size rho,
+    ``alpha <- (1 - rho) alpha + rho (a0 + N/2)`` and
+    ``beta <- (1 - rho) beta + rho (b0 + N/2 * E_q(w)[(y - y_hat)^2])`` for the batch at hand (with
+    kl_weight 1). Euclidean gradients crawl along the ridge alpha / beta = const, where the ELBO is
+    nearly flat: an Adam step on softplus-parameterised alpha, beta reached alpha = 10 instead of the
+    optimum 233.5 in 200 epochs of Boston housing. A Keras optimizer sees the same gradient, an
+    ascent direction of the ELBO. The defaults ``initial_shape=6, initial_rate=2`` start q at
     E[tau] = 3 (noise standard deviation about 0.58 for standardised targets), somewhat more
     confident than the prior mean E[tau] = 1 so that early fits are not drowned in noise.
 
@@ -105,29 +131,18 @@ class NoisePrecision(keras.layers.Layer):
                 "NoisePrecision expects the predicted mean with shape (batch, d) and a known d; "
                 f"got input shape {tuple(input_shape)}."
             )
-        self.unconstrained_shape = mark_point_estimate(
-            self.add_weight(
-                name="unconstrained_shape",
-                shape=(num_outputs,),
-                initializer=keras.initializers.Constant(_inverse_softplus(self.initial_shape)),
-                trainable=True,
-            )
-        )
-        self.unconstrained_rate = mark_point_estimate(
-            self.add_weight(
-                name="unconstrained_rate",
-                shape=(num_outputs,),
-                initializer=keras.initializers.Constant(_inverse_softplus(self.initial_rate)),
-                trainable=True,
-            )
-        )
+        def parameter(name, value):
+            return mark_natural_parameter(self.add_weight(
+                name=name, shape=(num_outputs,), initializer=keras.initializers.Constant(value),
+                trainable=True))
+
+        self.alpha = parameter("alpha", self.initial_shape)
+        self.beta = parameter("beta", self.initial_rate)
 
     def posterior(self):
         """q(tau) = ``tfd.Gamma(alpha, beta)`` with batch shape ``(d,)``."""
-        return tfd.Gamma(
-            concentration=tf.nn.softplus(self.unconstrained_shape),
-            rate=tf.nn.softplus(self.unconstrained_rate),
-        )
+        return tfd.Gamma(concentration=tf.convert_to_tensor(self.alpha),
+                         rate=tf.convert_to_tensor(self.beta))
 
     def prior(self):
         """p(tau) = ``tfd.Gamma(prior_shape, prior_rate)`` (scalar, shared by all outputs)."""
@@ -142,7 +157,8 @@ class NoisePrecision(keras.layers.Layer):
         return tf.reduce_sum(tfd.kl_divergence(posterior, self.prior()))
 
     def call(self, inputs):
-        q = self.posterior()
+        q = tfd.Gamma(*_with_natural_gradient(tf.convert_to_tensor(self.alpha),
+                                              tf.convert_to_tensor(self.beta)))
         self.add_loss(self.kl_weight * self.kl_divergence(q) / self.num_examples)
         alpha = tf.cast(q.concentration, inputs.dtype)
         beta = tf.cast(q.rate, inputs.dtype)

@@ -2,7 +2,7 @@
 
 Their posterior ``q(w) = N(mu, (lambda/N) P^-1)`` lives on one flat vector of length D: the Bayesian
 variables of the model, flattened and concatenated in the order of ``model.trainable_variables``
-(point-estimated variables, e.g. ``NoisePrecision``'s, keep their plain Adam step). ``P`` is the
+(point-estimated variables, e.g. ``NoisePrecision``'s, keep the base class's step). ``P`` is the
 damped curvature ``F_bar + gamma_in I`` in per-example units (NNG eq. 9; SLANG eq. 2 divided by N):
 each family stores it in its own structure. Per step the family gets the batch-mean gradient ``g``,
 the current sample ``w`` and the (B, D) per-example log-likelihood gradients ``G`` from

@@ -203,13 +203,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self._slot_variables = {
                 name: self.add_optimizer_variables(variables, name, _constant(init))
                 for name, init in self._slots.items()}
-            if any(self._point):
-                # Point-estimated variational parameters (e.g. q(tau) of NoisePrecision): Adam.
-                # A list aligned with the variables: tf.train.Checkpoint cannot save dicts with
-                # integer keys.
+            self._natural = [_markers.is_natural_parameter(v) for v in variables]
+            if any(p and not n for p, n in zip(self._point, self._natural)):
+                # Point-estimated variational parameters: Adam (natural parameters, e.g. q(tau) of
+                # NoisePrecision, take a natural-gradient step without state). A list aligned with
+                # the variables: tf.train.Checkpoint cannot save dicts with integer keys.
                 self._point_moments = [
                     (self.add_variable_from_reference(v, "point_m"),
-                     self.add_variable_from_reference(v, "point_v")) if self._point[i] else None
+                     self.add_variable_from_reference(v, "point_v"))
+                    if self._point[i] and not self._natural[i] else None
                     for i, v in enumerate(variables)]
             if self.mc_samples > 1:
                 self._accumulators = {
@@ -340,7 +342,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return averages
 
     def _point_update(self, index, gradient, variable, lr, beta_1=0.9, beta_2=0.999, eps=1e-7):
-        """Plain bias-corrected Adam step for point-estimated variational parameters."""
+        """Point-estimated variational parameters: for natural parameters (``tfnng._markers``) the
+        stochastic natural-gradient step ``v <- v - min(lr, 1) N g`` (Hoffman et al. 2013, eq. 13;
+        the gradient of the mean loss is the natural gradient of ELBO / N), otherwise a plain
+        bias-corrected Adam step."""
+        if self._natural[index]:
+            step_size = tf.minimum(lr, tf.ones_like(lr))
+            variable.assign_sub(step_size * self.num_examples * gradient)
+            self._means[index].assign(variable)
+            return tf.constant(True)
         m, v = self._point_moments[index]
         t = self._step_number(variable.dtype)
         m.assign(beta_1 * m + (1 - beta_1) * gradient)
