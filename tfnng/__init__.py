@@ -11,8 +11,7 @@ of an ordinary Keras model (Zhang et al. 2018; Khan et al. 2018; Shen et al. 202
 from tfnng import curvature, layers, losses, metrics, models, optimizers, posteriors
 from tfnng import callbacks, serving
 from tfnng.models import BayesianModel
-from tfnng._markers import (is_natural_parameter, is_point_estimate, mark_natural_parameter,
-                            mark_point_estimate)
+from tfnng._markers import is_point_estimate, mark_natural_parameter, mark_point_estimate
 from tfnng.predict import Predictive, predict
 
 __version__ = "0.1.0"
@@ -21,5 +20,5 @@ __all__ = [
     "callbacks", "curvature", "layers", "losses", "metrics", "models", "optimizers", "posteriors",
     "serving", "BayesianModel",
     "predict", "Predictive", "mark_point_estimate", "is_point_estimate",
-    "mark_natural_parameter", "is_natural_parameter", "__version__",
+    "mark_natural_parameter", "__version__",
 ]

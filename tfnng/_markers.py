@@ -1,22 +1,22 @@
 """Markers that tell tfnng optimizers how to treat a variable.
 
-A variable marked as a *point estimate* is a variational parameter itself (for example the Gamma
-posterior q(tau) of the noise precision, NNG App. C.1) rather than a network weight with a Gaussian
-posterior: tfnng optimizers fit it by a plain (bias-corrected, square-root) Adam step, without weight
-noise and without a prior term.
+A variable marked as a *point estimate* is a variational parameter itself (for example a learned
+temperature) rather than a network weight with a Gaussian posterior: tfnng optimizers fit it by a
+plain (bias-corrected, square-root) Adam step, without weight noise and without a prior term.
 
-A variable marked as a *natural parameter* is a point estimate whose layer hands the optimizer the
-natural gradient: the variable is an affine image, with Jacobian +-1 per entry, of the natural
-parameters theta of a conjugate exponential-family factor, and the layer routes its gradient through
-the mean parameters m, so that the gradient of the per-example loss is ``+-dL/dm``, the natural
-gradient in theta (Khan & Lin 2017, "Conjugate-computation variational inference", eq. 4). tfnng
-optimizers then take the stochastic natural-gradient step of Hoffman et al. (2013, eq. 13),
-``v <- v - rho * N * g`` with ``rho = min(learning_rate, 1)``: with ``rho = 1`` and the full data set
-it moves the factor to its conjugate optimum in one step.
+A variable marked as a *natural parameter* is a point estimate that parameterises a conjugate
+exponential-family factor of the variational posterior (``NoisePrecision``'s Gamma q(tau)) and
+carries a ``natural_step(value, gradient, scale)`` function: given the variable's value and the
+ordinary gradient of the per-example loss, it returns the value after the stochastic natural-gradient
+step ``theta <- theta - scale * dL/dm`` in the factor's natural parameters theta (Khan & Lin 2017:
+the natural gradient in theta is the gradient in the mean parameters m). tfnng optimizers apply it
+with ``scale = min(learning_rate, 1) * N``, the conjugate step of stochastic variational inference
+(Hoffman et al. 2013, eq. 13): with step 1 and the full data set it lands on the factor's optimum.
+Keras optimizers ignore the markers and see the ordinary gradient.
 """
 
 _POINT_ESTIMATE_ATTR = "_tfnng_point_estimate"
-_NATURAL_PARAMETER_ATTR = "_tfnng_natural_parameter"
+_NATURAL_STEP_ATTR = "_tfnng_natural_step"
 
 
 def mark_point_estimate(variable):
@@ -30,13 +30,13 @@ def is_point_estimate(variable):
     return bool(getattr(variable, _POINT_ESTIMATE_ATTR, False))
 
 
-def mark_natural_parameter(variable):
-    """Mark ``variable`` as a natural parameter whose gradient is the natural gradient (see the module
-    docstring): tfnng optimizers point-estimate it by the step ``v <- v - min(lr, 1) * N * g``."""
-    setattr(variable, _NATURAL_PARAMETER_ATTR, True)
+def mark_natural_parameter(variable, natural_step):
+    """Mark ``variable`` as parameterising a conjugate factor that tfnng optimizers update by
+    ``variable.assign(natural_step(variable, gradient, min(lr, 1) * N))`` (see the module docstring)."""
+    setattr(variable, _NATURAL_STEP_ATTR, natural_step)
     return mark_point_estimate(variable)
 
 
-def is_natural_parameter(variable):
-    """Whether ``variable`` was marked with :func:`mark_natural_parameter`."""
-    return bool(getattr(variable, _NATURAL_PARAMETER_ATTR, False))
+def natural_step(variable):
+    """The ``natural_step`` function ``variable`` was marked with, or None."""
+    return getattr(variable, _NATURAL_STEP_ATTR, None)

@@ -203,15 +203,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self._slot_variables = {
                 name: self.add_optimizer_variables(variables, name, _constant(init))
                 for name, init in self._slots.items()}
-            self._natural = [_markers.is_natural_parameter(v) for v in variables]
-            if any(p and not n for p, n in zip(self._point, self._natural)):
+            self._natural_steps = [_markers.natural_step(v) for v in variables]
+            if any(p and n is None for p, n in zip(self._point, self._natural_steps)):
                 # Point-estimated variational parameters: Adam (natural parameters, e.g. q(tau) of
                 # NoisePrecision, take a natural-gradient step without state). A list aligned with
                 # the variables: tf.train.Checkpoint cannot save dicts with integer keys.
                 self._point_moments = [
                     (self.add_variable_from_reference(v, "point_m"),
                      self.add_variable_from_reference(v, "point_v"))
-                    if self._point[i] and not self._natural[i] else None
+                    if self._point[i] and self._natural_steps[i] is None else None
                     for i, v in enumerate(variables)]
             if self.mc_samples > 1:
                 self._accumulators = {
@@ -342,13 +342,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return averages
 
     def _point_update(self, index, gradient, variable, lr, beta_1=0.9, beta_2=0.999, eps=1e-7):
-        """Point-estimated variational parameters: for natural parameters (``tfnng._markers``) the
-        stochastic natural-gradient step ``v <- v - min(lr, 1) N g`` (Hoffman et al. 2013, eq. 13;
-        the gradient of the mean loss is the natural gradient of ELBO / N), otherwise a plain
-        bias-corrected Adam step."""
-        if self._natural[index]:
-            step_size = tf.minimum(lr, tf.ones_like(lr))
-            variable.assign_sub(step_size * self.num_examples * gradient)
+        """Point-estimated variational parameters: for natural parameters (``tfnng._markers``) their
+        stochastic natural-gradient step with scale ``min(lr, 1) N`` (Hoffman et al. 2013, eq. 13:
+        step size rho = min(lr, 1) on ELBO / N), otherwise a plain bias-corrected Adam step."""
+        natural_step = self._natural_steps[index]
+        if natural_step is not None:
+            scale = tf.minimum(lr, tf.ones_like(lr)) * self.num_examples
+            variable.assign(natural_step(variable, gradient, scale))
             self._means[index].assign(variable)
             return tf.constant(True)
         m, v = self._point_moments[index]
