@@ -47,8 +47,8 @@ same damped approximate Fisher is ``sum_l <v_l, m_l>`` and the step size becomes
 
 Layers that the Kronecker family does not support (BatchNormalization, Embedding, ...) keep a
 diagonal posterior updated by the noisy Adam rule (Alg. 1) with ``beta_1 = momentum`` and
-``beta_2 = 1 - stat_decay``; variables marked as point estimates get the base class's step (Adam, or the natural-gradient step
-for natural parameters).
+``beta_2 = 1 - stat_decay``; variables marked as point estimates get the base class's step (Adam,
+or the natural-gradient step for natural parameters).
 
 Block-tridiagonal (``block_tridiagonal=True``, NNG sec. 3.5): consecutive Dense layers with rank-2
 inputs form chains whose posterior covariance ``(lambda/N) F_hat^-1`` is block tridiagonal
