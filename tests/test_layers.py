@@ -253,3 +253,10 @@ def test_save_and_load_model_without_custom_objects(tmp_path):
     reloaded_loss = loaded.evaluate(x, y, verbose=0)
     assert math.isfinite(reloaded_loss)
     assert reloaded_loss == pytest.approx(model.evaluate(x, y, verbose=0), rel=1e-5)
+
+
+def test_mark_natural_parameter_requires_a_step_function():
+    variable = tf.Variable([0.0])
+    with pytest.raises(TypeError, match="natural_step"):
+        tfnng.mark_natural_parameter(variable, None)
+    assert natural_step(variable) is None and not is_point_estimate(variable)

@@ -33,6 +33,9 @@ def is_point_estimate(variable):
 def mark_natural_parameter(variable, natural_step):
     """Mark ``variable`` as parameterising a conjugate factor that tfnng optimizers update by
     ``variable.assign(natural_step(variable, gradient, min(lr, 1) * N))`` (see the module docstring)."""
+    if not callable(natural_step):
+        raise TypeError("mark_natural_parameter: `natural_step` must be a function "
+                        f"(value, gradient, scale) -> new value; got {natural_step!r}.")
     setattr(variable, _NATURAL_STEP_ATTR, natural_step)
     return mark_point_estimate(variable)
 
