@@ -113,8 +113,8 @@ def _objective_gradient(layer, model, y):
 @pytest.mark.parametrize("alpha,beta", [(6.0, 2.0), (1.5, 40.0), (300.0, 7.0)])
 def test_natural_step_is_the_conjugate_update_and_lands_on_the_posterior(alpha, beta):
     # The natural gradient of ELBO / N in theta = (alpha - 1, -beta) is dL/dm: one full-batch step
-    # with scale N (step size 1) reaches the exact posterior from anywhere, and a step of size rho
-    # moves (alpha, beta) a fraction rho of the way.
+    # of size 1 (scale N) reaches the exact posterior from anywhere, and a step of size rho moves
+    # (alpha, beta) a fraction rho of the way.
     y, a_n, b_n = _known_mean_problem()
     n = len(y)
     layer = NoisePrecision(n, dtype="float64")
@@ -123,7 +123,7 @@ def test_natural_step_is_the_conjugate_update_and_lands_on_the_posterior(alpha, 
     gradient = _objective_gradient(layer, model, y)
     step = natural_step(layer.log_parameters)
     for rho in (1.0, 0.3):
-        new = np.exp(step(layer.log_parameters, gradient, rho * n).numpy())[:, 0]
+        new = np.exp(step(layer.log_parameters, gradient, rho).numpy())[:, 0]
         np.testing.assert_allclose(new, [(1 - rho) * alpha + rho * a_n, (1 - rho) * beta + rho * b_n],
                                    rtol=1e-9)
 
@@ -131,12 +131,14 @@ def test_natural_step_is_the_conjugate_update_and_lands_on_the_posterior(alpha, 
 def test_tfnng_optimizer_takes_the_natural_gradient_step():
     # Inside model.fit, a tfnng optimizer moves q(tau) by v <- v - min(lr, 1) N g: with a predicted
     # mean fixed at zero (the input is zero), each full-batch step is the conjugate update above.
+    # N is the layer's own (the N its KL term is divided by), not the optimizer's: an optimizer told
+    # another N still lands on the layer's posterior.
     y, a_n, b_n = _known_mean_problem()
     n = len(y)
     net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False),
                             NoisePrecision(n)])
     rho = 0.25
-    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=rho, num_examples=n),
+    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=rho, num_examples=10 * n),
                 loss=GaussianNLL("learned"))
     layer = net.layers[-1]
     alpha, beta = 6.0, 2.0

@@ -6,11 +6,13 @@ plain (bias-corrected, square-root) Adam step, without weight noise and without 
 
 A variable marked as a *natural parameter* is a point estimate that parameterises a conjugate
 exponential-family factor of the variational posterior (``NoisePrecision``'s Gamma q(tau)) and
-carries a ``natural_step(value, gradient, scale)`` function: given the variable's value and the
-ordinary gradient of the per-example loss, it returns the value after the stochastic natural-gradient
-step ``theta <- theta - scale * dL/dm`` in the factor's natural parameters theta (Khan & Lin 2017:
-the natural gradient in theta is the gradient in the mean parameters m). tfnng optimizers apply it
-with ``scale = min(learning_rate, 1) * N``, the conjugate step of stochastic variational inference
+carries a ``natural_step(value, gradient, step_size)`` function: given the variable's value and the
+ordinary gradient of the per-example loss L = -ELBO / N, it returns the value after the stochastic
+natural-gradient step ``theta <- theta - step_size * N * dL/dm`` in the factor's natural parameters
+theta (Khan & Lin 2017: the natural gradient in theta is the gradient in the mean parameters m). The
+function owns N (the training-set size its loss term was divided by), so the step stays the
+factor's own natural gradient whatever the optimizer was told. tfnng optimizers apply it with
+``step_size = min(learning_rate, 1)``, the conjugate step of stochastic variational inference
 (Hoffman et al. 2013, eq. 13): with step 1 and the full data set it lands on the factor's optimum.
 Keras optimizers ignore the markers and see the ordinary gradient.
 """
@@ -32,10 +34,10 @@ def is_point_estimate(variable):
 
 def mark_natural_parameter(variable, natural_step):
     """Mark ``variable`` as parameterising a conjugate factor that tfnng optimizers update by
-    ``variable.assign(natural_step(variable, gradient, min(lr, 1) * N))`` (see the module docstring)."""
+    ``variable.assign(natural_step(variable, gradient, min(lr, 1)))`` (see the module docstring)."""
     if not callable(natural_step):
         raise TypeError("mark_natural_parameter: `natural_step` must be a function "
-                        f"(value, gradient, scale) -> new value; got {natural_step!r}.")
+                        f"(value, gradient, step_size) -> new value; got {natural_step!r}.")
     setattr(variable, _NATURAL_STEP_ATTR, natural_step)
     return mark_point_estimate(variable)
 

@@ -6,6 +6,7 @@ total training loss becomes the negative ELBO of eq. (24) per training example (
 weights is the optimizer's business).
 """
 
+import functools
 import math
 import numbers
 
@@ -18,11 +19,12 @@ from tfnng._markers import mark_natural_parameter
 tfd = tfp.distributions
 
 
-def _gamma_natural_step(value, gradient, scale):
+def _gamma_natural_step(value, gradient, step_size, num_examples):
     """The stochastic natural-gradient step of q(tau) = Gam(alpha, beta) on ``[log alpha; log beta]``.
 
-    ``value`` and ``gradient`` (the ordinary gradient of the per-example loss) have shape (2, d). In
-    the natural parameters theta = (alpha - 1, -beta) the step is theta <- theta - scale * dL/dm, with
+    ``value`` and ``gradient`` (the ordinary gradient of the per-example loss L = -ELBO / N, N =
+    ``num_examples``) have shape (2, d). With scale = step_size * N, in the natural parameters
+    theta = (alpha - 1, -beta) the step is theta <- theta - scale * dL/dm, with
     the mean parameters m = (digamma(alpha) - log beta, alpha / beta) and dL/dm = J^-T dL/d(alpha,
     beta), J = dm/d(alpha, beta) = [[psi'(alpha), -1/beta], [1/beta, -alpha/beta^2]]. Written with the
     log-space gradients g_a = alpha dL/dalpha, g_b = beta dL/dbeta it reads
@@ -31,7 +33,7 @@ def _gamma_natural_step(value, gradient, scale):
     """
     u = tf.cast(tf.convert_to_tensor(value), tf.float64)
     g = tf.cast(gradient, tf.float64)
-    scale = tf.cast(scale, tf.float64)
+    scale = tf.cast(tf.convert_to_tensor(step_size, dtype_hint=tf.float64), tf.float64) * num_examples
     alpha, beta = tf.exp(u[0]), tf.exp(u[1])
     trigamma = tf.math.polygamma(tf.constant(1.0, tf.float64), alpha)
     c = alpha * trigamma - 1.0
@@ -70,7 +72,8 @@ class NoisePrecision(keras.layers.Layer):
     natural-gradient step of conjugate variational inference (Hoffman et al. 2013; Khan & Lin 2017),
     which with step size rho reads ``alpha <- (1 - rho) alpha + rho (a0 + N/2)`` and
     ``beta <- (1 - rho) beta + rho (b0 + N/2 * E_q(w)[(y - y_hat)^2])`` for the batch at hand (KL
-    weight 1; ``_gamma_natural_step``). Euclidean gradients crawl along the ridge alpha / beta =
+    weight 1; ``_gamma_natural_step``). N is this layer's ``num_examples`` (the N its KL term is
+    divided by), whatever the optimizer's. Euclidean gradients crawl along the ridge alpha / beta =
     const, where the ELBO is nearly flat: an Adam step on softplus-parameterised alpha, beta reached
     alpha = 10 instead of the optimum 233.5 in 200 epochs of Boston housing. Keras optimizers see the
     ordinary gradient in log space. The defaults ``initial_shape=6, initial_rate=2`` start q at
@@ -132,7 +135,8 @@ class NoisePrecision(keras.layers.Layer):
                    [math.log(self.initial_rate)] * num_outputs]
         self.log_parameters = mark_natural_parameter(self.add_weight(
             name="log_parameters", shape=(2, num_outputs), trainable=True,
-            initializer=lambda shape, dtype: tf.constant(initial, dtype)), _gamma_natural_step)
+            initializer=lambda shape, dtype: tf.constant(initial, dtype)),
+            functools.partial(_gamma_natural_step, num_examples=self.num_examples))
 
     @property
     def alpha(self):

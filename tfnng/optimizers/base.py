@@ -343,12 +343,11 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     def _point_update(self, index, gradient, variable, lr, beta_1=0.9, beta_2=0.999, eps=1e-7):
         """Point-estimated variational parameters: for natural parameters (``tfnng._markers``) their
-        stochastic natural-gradient step with scale ``min(lr, 1) N`` (Hoffman et al. 2013, eq. 13:
-        step size rho = min(lr, 1) on ELBO / N), otherwise a plain bias-corrected Adam step."""
+        stochastic natural-gradient step of size ``min(lr, 1)`` (Hoffman et al. 2013, eq. 13),
+        otherwise a plain bias-corrected Adam step."""
         natural_step = self._natural_steps[index]
         if natural_step is not None:
-            scale = tf.minimum(lr, tf.ones_like(lr)) * self.num_examples
-            variable.assign(natural_step(variable, gradient, scale))
+            variable.assign(natural_step(variable, gradient, tf.minimum(lr, tf.ones_like(lr))))
             self._means[index].assign(variable)
             return tf.constant(True)
         m, v = self._point_moments[index]
