@@ -234,19 +234,26 @@ class _Offset(keras.layers.Layer):
         return inputs + self.offset
 
 
-@pytest.mark.parametrize("method", ["NoisyAdam", "VOGN"])
-def test_point_estimates_take_a_bias_corrected_adam_step(method):
+@pytest.mark.parametrize("method,mc_samples", [("NoisyAdam", 1), ("VOGN", 1), ("NoisyAdam", 3),
+                                                ("VOGN", 2), ("NoisyNaturalGradient", 2)])
+def test_point_estimates_take_a_bias_corrected_adam_step(method, mc_samples):
     # The Dense layer sees zero inputs, so the prediction is the offset c alone and the Gaussian NLL
     # with noise variance 1/2, (y - c)^2 + const, has the gradient 2 (c - mean y) whatever weight
-    # sample is drawn.
+    # sample is drawn. With mc_samples = S the offset is updated once per S evaluations, with the
+    # posterior (here S equal gradients, so their average is the gradient).
     y = np.linspace(0.5, 1.5, 8, dtype=np.float32)[:, None]
     net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False), _Offset()])
     lr = 0.05
-    optimizer = getattr(tfnng.optimizers, method)(learning_rate=lr, num_examples=len(y))
-    model = tfnng.BayesianModel(net) if method == "VOGN" else net
+    optimizer = getattr(tfnng.optimizers, method)(learning_rate=lr, num_examples=len(y),
+                                                  mc_samples=mc_samples)
+    model = net if method == "NoisyAdam" else tfnng.BayesianModel(net)
     model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
     c, m, v = 0.0, 0.0, 0.0
     for t in range(1, 6):
+        before = float(net.layers[-1].offset)
+        for _ in range(mc_samples - 1):
+            model.fit(np.zeros_like(y), y, batch_size=len(y), verbose=0)
+            assert float(net.layers[-1].offset) == before
         model.fit(np.zeros_like(y), y, batch_size=len(y), verbose=0)
         g = 2 * (c - float(y.mean()))
         m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g**2

@@ -82,9 +82,8 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         for i, gradient in given.items():
             if self._point[i]:
                 variable = self._trainable_variables[i]
-                tf.cond(finite, lambda i=i, g=tf.cast(gradient, variable.dtype), v=variable:
-                        self._point_update(i, g, v, tf.cast(learning_rate, v.dtype)),
-                        lambda: tf.constant(False))
+                self._point_step(i, tf.cast(gradient, variable.dtype), variable,
+                                 tf.cast(learning_rate, variable.dtype))
         flat_grads = [given[i] if i in given else tf.zeros_like(self._means[i])
                       for i in self._flat_indices]
         stats = {
@@ -106,13 +105,8 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         self._write_sample()
 
     def _accumulate_flat(self, stats, finite, apply_now):
-        averages = {}
-        for name, value in stats.items():
-            total = self._mc_sums[name] + value
-            averages[name] = total / self.mc_samples
-            self._mc_sums[name].assign(
-                tf.where(apply_now, tf.zeros_like(total), tf.where(finite, total, self._mc_sums[name])))
-        return averages
+        return {name: self._accumulate_into(self._mc_sums[name], value, finite, apply_now)
+                for name, value in stats.items()}
 
     def sampling_state(self):
         """The tensors that determine the sampler ``perturb`` (what tfnng.serving exports)."""

@@ -13,7 +13,7 @@ The very first gradient is taken at the model's initial weights (``w_0 = mu_0``,
 
 With ``mc_samples = S > 1`` the optimizer accumulates S consecutive gradient evaluations, each at its
 own weight sample, and updates the posterior once with their average (the Monte Carlo estimate of the
-expected gradient). In ``model.fit`` these S evaluations see S consecutive batches (as with Keras's
+expected gradient); point-estimated variables (``tfnng._markers``) are updated with it, once. In ``model.fit`` these S evaluations see S consecutive batches (as with Keras's
 ``gradient_accumulation_steps``); in a hand-written loop you may reuse one batch.
 
 Common vocabulary (NNG Alg. 1-2): ``num_examples`` N, ``prior_variance`` eta (or ``prior_precision``
@@ -217,6 +217,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 self._accumulators = {
                     name: self.add_optimizer_variables(variables, f"mc_sum_{name}")
                     for name in self._sample_statistic_names}
+                self._point_gradient_sums = [
+                    self.add_variable_from_reference(v, "mc_sum_point_grad") if self._point[i] else None
+                    for i, v in enumerate(variables)]
                 self._mc_count = self.add_variable((), initializer="zeros", dtype="int64",
                                                    name="mc_count")
             self._update_count = self.add_variable((), initializer="zeros", dtype="int64",
@@ -317,8 +320,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         gradient = tf.cast(gradient, variable.dtype)
         lr = tf.cast(learning_rate, variable.dtype)
         if self._point[index]:
-            tf.cond(finite, lambda: self._point_update(index, gradient, variable, lr),
-                    lambda: tf.constant(False))
+            self._point_step(index, gradient, variable, lr)
             return
         stats = self._sample_statistics(index, gradient, tf.convert_to_tensor(variable))
         if self.mc_samples > 1:
@@ -333,13 +335,24 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     def _accumulate(self, index, stats, finite, apply_now):
         """Monte Carlo average over ``mc_samples`` evaluations; accumulators reset on update."""
-        averages = {}
-        for name, value in stats.items():
-            acc = self._accumulators[name][index]
-            total = acc + value
-            averages[name] = total / self.mc_samples
-            acc.assign(tf.where(apply_now, tf.zeros_like(total), tf.where(finite, total, acc)))
-        return averages
+        return {name: self._accumulate_into(self._accumulators[name][index], value, finite, apply_now)
+                for name, value in stats.items()}
+
+    def _accumulate_into(self, total, value, finite, apply_now):
+        """Add a finite ``value`` to the running sum ``total`` (reset when the update is applied) and
+        return the Monte Carlo average over ``mc_samples``."""
+        new_total = total + value
+        total.assign(tf.where(apply_now, tf.zeros_like(new_total), tf.where(finite, new_total, total)))
+        return new_total / self.mc_samples
+
+    def _point_step(self, index, gradient, variable, lr):
+        """A point-estimated variable keeps the posterior's rhythm: with ``mc_samples = S`` its
+        gradient is averaged over the S evaluations and it is updated once, with the posterior."""
+        finite, apply_now = self._step_flags
+        if self.mc_samples > 1:
+            gradient = self._accumulate_into(self._point_gradient_sums[index], gradient, finite, apply_now)
+        tf.cond(apply_now, lambda: self._point_update(index, gradient, variable, lr),
+                lambda: tf.constant(False))
 
     def _point_update(self, index, gradient, variable, lr, beta_1=0.9, beta_2=0.999, eps=1e-7):
         """Point-estimated variational parameters: for natural parameters (``tfnng._markers``) their
