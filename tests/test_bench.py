@@ -82,6 +82,28 @@ def test_first_split_selects_a_range_of_splits(tmp_path):
         uci.run_benchmark(tmp_path, "toy", "adam", splits=0, epochs=1)
 
 
+def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
+    rng = np.random.default_rng(3)
+    data = uci.Split(*(rng.normal(size=shape).astype(np.float32) for shape in ((7, 2), (7, 1), (3, 2), (3, 1))),
+                     y_mean=0.0, y_std=1.0)
+    batches = [x.numpy() for x, _ in uci._training_batches(data, batch_size=3, epochs=2, seed=0, mc_samples=3)]
+    assert len(batches) == 2 * 3 * 3                     # epochs x ceil(7 / 3) batches x samples
+    for group in range(0, len(batches), 3):              # three copies in a row, then the next batch
+        for copy in batches[group + 1:group + 3]:
+            np.testing.assert_array_equal(copy, batches[group])
+    first_epoch = np.concatenate(batches[:9:3])
+    np.testing.assert_array_equal(np.sort(first_epoch, axis=0), np.sort(data.x_train, axis=0))
+
+    _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
+                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=2, batch_size=4, mc_samples=3)
+    assert summary["mc_samples"] == 3 and np.isfinite(summary["test_ll"])
+    assert summary["optimizer_config"]["config"]["mc_samples"] == 3
+    for method in ("adam", "noisy_kfac"):                 # no weight samples / one per update
+        with pytest.raises(SystemExit, match="--mc-samples 2"):
+            uci.run_benchmark(tmp_path, "toy", method, epochs=1, mc_samples=2)
+
+
 def test_predictive_samples_reach_the_predictive(tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
     _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,

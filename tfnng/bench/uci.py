@@ -7,7 +7,9 @@ units (50, or 100 for protein) and ends in a ``NoisePrecision`` layer, the Gamma
 precision of App. C.1, trained with ``GaussianNLL("learned")``. Test RMSE and the per-point test
 log-likelihood (log-mean-exp over 100 weight samples, ``--predictive-samples``) are reported in the
 original target units, then averaged over splits (± standard error). Reference numbers of the NNG
-paper (Table 1) and of MC dropout (datasets/uci/README.md) are printed alongside.
+paper (Table 1) and of MC dropout (datasets/uci/README.md) are printed alongside. ``--mc-samples S``
+trains on S weight samples per mini-batch (each batch is fed S times to an optimizer with
+``mc_samples=S``: the same number of posterior updates, each with the average of S gradients).
 
 Example: ``python -m tfnng.bench uci --data-dir ../shared/datasets/uci --dataset yacht --method noisy_adam``
 """
@@ -70,7 +72,8 @@ MC_DROPOUT = {
 
 # Settings shared by every method (NNG App. C.1 unless noted): learning rate alpha~ = 0.01, decayed by
 # 0.1 for the second half of training; batch size 10 for the data sets with fewer than 2000 points and
-# 100 for the others; prior N(0, 1) (prior variance 1) with KL weight 1; one weight sample per step.
+# 100 for the others; prior N(0, 1) (prior variance 1) with KL weight 1; one weight sample per step
+# (``--mc-samples``: more).
 LEARNING_RATE = 0.01
 LEARNING_RATE_DECAY = 0.1
 SMALL_DATASET_ROWS = 2000
@@ -205,15 +208,17 @@ def _learning_rate(total_steps):
         [max(total_steps // 2, 1)], [LEARNING_RATE, LEARNING_RATE * LEARNING_RATE_DECAY])
 
 
-def _make_optimizer(method, num_examples, total_steps, seed):
+def _make_optimizer(method, num_examples, total_steps, seed, mc_samples=1):
     spec = METHODS[method]
     if not spec.bayesian:
+        if mc_samples != 1:
+            raise ValueError(f"{method} is a MAP method: it draws no weight samples (mc_samples=1 only).")
         optimizer_class = getattr(keras.optimizers, spec.optimizer)
         return optimizer_class(learning_rate=_learning_rate(total_steps), **spec.hyper_parameters)
     optimizer_class = getattr(tfnng.optimizers, spec.optimizer)
     return optimizer_class(learning_rate=_learning_rate(total_steps), num_examples=num_examples,
                            prior_variance=PRIOR_VARIANCE, kl_weight=KL_WEIGHT, seed=seed,
-                           **spec.hyper_parameters)
+                           mc_samples=mc_samples, **spec.hyper_parameters)
 
 
 def _make_model(method, num_inputs, num_hidden, num_examples):
@@ -235,21 +240,23 @@ def _make_model(method, num_inputs, num_hidden, num_examples):
     return net
 
 
-def _training_batches(data, batch_size, epochs, seed):
-    """All ``epochs`` of shuffled mini-batches as one ``tf.data`` pipeline (reshuffled every epoch).
+def _training_batches(data, batch_size, epochs, seed, mc_samples=1):
+    """All ``epochs`` of shuffled mini-batches as one ``tf.data`` pipeline (reshuffled every epoch),
+    each batch ``mc_samples`` times in a row (one evaluation per weight sample).
 
     One ``model.fit`` epoch over this pipeline avoids Keras' per-epoch overhead, which dominates on
     these small data sets.
     """
-    return (tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
-            .shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True)
-            .batch(batch_size)
-            .repeat(epochs)
-            .prefetch(tf.data.AUTOTUNE))
+    batches = (tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
+               .shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True)
+               .batch(batch_size))
+    if mc_samples > 1:
+        batches = batches.flat_map(lambda x, y: tf.data.Dataset.from_tensors((x, y)).repeat(mc_samples))
+    return batches.repeat(epochs).prefetch(tf.data.AUTOTUNE)
 
 
 def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbose=0,
-                       num_predictive_samples=NUM_PREDICTIVE_SAMPLES):
+                       num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
     """Train ``method`` on a normalised :class:`Split`; test metrics in original units and timings.
 
     Returns test RMSE, per-point test log-likelihood, the coverage of the central 95% predictive
@@ -260,15 +267,17 @@ def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbo
     keras.utils.set_random_seed(seed)
     steps_per_epoch = math.ceil(num_examples / batch_size)
     model = _make_model(method, num_inputs, num_hidden, num_examples)
-    optimizer = _make_optimizer(method, num_examples, epochs * steps_per_epoch, seed=seed)
+    # Learning-rate schedules of tfnng optimizers count posterior updates, not evaluations.
+    optimizer = _make_optimizer(method, num_examples, epochs * steps_per_epoch, seed=seed,
+                                mc_samples=mc_samples)
     if getattr(optimizer, "curvature_requirements", None) is not None:
         # Layer inputs and per-example pre-activation gradients come from BayesianModel.
         model = tfnng.BayesianModel(model)
     model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL("learned"),
-                  steps_per_execution=steps_per_epoch)
+                  steps_per_execution=steps_per_epoch * mc_samples)
     start = time.perf_counter()
-    model.fit(_training_batches(data, batch_size, epochs, seed=seed), epochs=1, shuffle=False,
-              verbose=verbose)
+    model.fit(_training_batches(data, batch_size, epochs, seed=seed, mc_samples=mc_samples), epochs=1,
+              shuffle=False, verbose=verbose)
     train_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -295,16 +304,16 @@ def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbo
 
 
 def run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
-              num_predictive_samples=NUM_PREDICTIVE_SAMPLES):
+              num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
     """Train ``method`` on standard split ``split`` of ``dataset`` (seeded by the split number)."""
     data = load_split(data_dir, dataset, split)
     return {"split": split,
             **train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed=split,
-                                 num_predictive_samples=num_predictive_samples)}
+                                 num_predictive_samples=num_predictive_samples, mc_samples=mc_samples)}
 
 
 def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None, first_split=0,
-                  num_predictive_samples=NUM_PREDICTIVE_SAMPLES):
+                  num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
     """Standard splits ``first_split, first_split + 1, ...`` (all, or ``splits`` of them) of one data set
     for one method, with a summary."""
     rows, n_splits, num_hidden = dataset_info(data_dir, dataset)
@@ -314,13 +323,17 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
         raise SystemExit(f"--splits {splits}: run at least one split")
     if num_predictive_samples < 1:
         raise SystemExit(f"--predictive-samples {num_predictive_samples}: use at least one sample")
+    try:        # the optimizer's own check (MAP, K-FAC and SLANG take one sample per update)
+        _make_optimizer(method, num_examples=1, total_steps=1, seed=0, mc_samples=mc_samples)
+    except ValueError as error:
+        raise SystemExit(f"--mc-samples {mc_samples}: {error}") from None
     split_ids = range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
     if batch_size is None:
         batch_size = SMALL_BATCH_SIZE if rows < SMALL_DATASET_ROWS else LARGE_BATCH_SIZE
     per_split = []
     for split in split_ids:
         result = run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
-                           num_predictive_samples)
+                           num_predictive_samples, mc_samples)
         optimizer_config = result.pop("optimizer_config")  # the same for all splits but N, seed, decay step
         per_split.append(result)
         print(f"{dataset} {method} split {split}: RMSE {result['rmse']:.4f}  test LL {result['test_ll']:.4f}  "
@@ -332,7 +345,7 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
         "hyper_parameters": METHODS[method].hyper_parameters, "source": METHODS[method].source,
         "optimizer_config": optimizer_config,
         "n_splits": len(per_split), "n_hidden": num_hidden, "epochs": epochs, "batch_size": batch_size,
-        "rmse": rmse, "rmse_se": rmse_se, "test_ll": ll, "test_ll_se": ll_se,
+        "mc_samples": mc_samples, "rmse": rmse, "rmse_se": rmse_se, "test_ll": ll, "test_ll_se": ll_se,
         "diverged_splits": sum(r["diverged"] for r in per_split),
         "seconds": sum(r["train_seconds"] + r["predict_seconds"] for r in per_split),
         "splits": per_split,
@@ -388,6 +401,9 @@ def add_arguments(parser):
                         help=f"default: {SMALL_BATCH_SIZE} below {SMALL_DATASET_ROWS} rows, else {LARGE_BATCH_SIZE}")
     parser.add_argument("--predictive-samples", type=int, default=NUM_PREDICTIVE_SAMPLES,
                         help="weight samples of the test predictive (default: %(default)s)")
+    parser.add_argument("--mc-samples", type=int, default=1,
+                        help="weight samples per mini-batch in training (default: %(default)s; "
+                             "diagonal tfnng methods)")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs (unless given)")
     parser.add_argument("--out", default=None, help="JSON file (default: results/uci_<dataset>_<method>.json)")
@@ -406,7 +422,7 @@ def run(args):
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
     summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split,
-                               args.predictive_samples)
+                               args.predictive_samples, args.mc_samples)
                  for dataset in datasets for method in methods]
     _results.print_table(["dataset", "method", "splits", "epochs", "batch", "test RMSE", "test LL", "time [s]"],
                          _table_rows(summaries), title="\nUCI regression (original units, mean ± standard error)")
@@ -417,7 +433,7 @@ def run(args):
         "quick": args.quick,
         "learning_rate": LEARNING_RATE, "learning_rate_decay_second_half": LEARNING_RATE_DECAY,
         "prior_variance": PRIOR_VARIANCE, "kl_weight": KL_WEIGHT,
-        "num_predictive_samples": args.predictive_samples,
+        "num_predictive_samples": args.predictive_samples, "mc_samples": args.mc_samples,
     }
     references = {d: _references(d) for d in datasets}
     _results.write_json(out, "uci", args.command, settings, {"summaries": summaries, "references": references})
