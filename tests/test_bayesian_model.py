@@ -260,6 +260,61 @@ def test_hand_written_loop():
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < losses[0]
 
 
+class _NoiselessKFAC(tfnng.optimizers.NoisyKFAC):
+    """NoisyKFAC whose samples are the mean (sqrt(lambda / N) = 0): deterministic evaluations."""
+
+    @property
+    def noise_scale(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("block_tridiagonal", [False, True])
+def test_mc_samples_average_the_evaluations_of_a_group_into_one_mean_step(block_tridiagonal):
+    # Noise-free samples (the mean) make the evaluations deterministic. mc_samples=2 fed batch b1
+    # then b2 must move the means as one mc_samples=1 update with the gradient (g1 + g2) / 2 and the
+    # curvature of b2 (stat_decay = 1: the factors are the latest evaluation's). Using g2 alone,
+    # summing, or stepping at every evaluation all fail.
+    x, y = classification_data(n=48)
+    batches = [(tf.constant(x[i:i + 8]), tf.constant(y[i:i + 8])) for i in range(0, 48, 8)]
+    init = dense_net().get_weights()
+    loss_fn = tfnng.losses.CategoricalNLL()
+
+    def setup(mc_samples):
+        net = dense_net()
+        net.set_weights(init)
+        capture = cap.LayerCapture(net)
+        optimizer = _NoiselessKFAC(learning_rate=0.05, num_examples=len(x), stat_decay=1.0,
+                                   momentum=0.9, stats_every=1, inverse_every=2, kl_clip=0.01,
+                                   fisher="empirical", block_tridiagonal=block_tridiagonal,
+                                   mc_samples=mc_samples, seed=0)
+        optimizer.prepare_curvature(capture.specs)
+        optimizer.build(net.trainable_variables)
+        return net, capture, optimizer
+
+    def evaluate(net, capture, optimizer, batch):
+        _, _, grads, curvature = tfnng.models.gradients_and_curvature(
+            net, capture, optimizer, loss_fn, *batch, seed=keras.random.SeedGenerator(0))
+        return grads, curvature
+
+    grouped, reference = setup(2), setup(1)
+    for b1, b2 in zip(batches[::2], batches[1::2]):
+        net, _, optimizer = grouped
+        for batch in (b1, b2):
+            grads, curvature = evaluate(*grouped, batch)
+            optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+        net, _, optimizer = reference
+        g1, _ = evaluate(*reference, b1)
+        g2, curvature = evaluate(*reference, b2)
+        optimizer.apply_gradients([((a + b) / 2, v) for a, b, v in zip(g1, g2, net.trainable_variables)],
+                                  curvature=curvature)
+    assert int(grouped[2]._update_count.numpy()) == int(reference[2]._update_count.numpy()) == 3
+    means = {mc: [opt.posterior_mean(v).numpy() for v in net.trainable_variables]
+             for mc, (net, _, opt) in ((2, grouped), (1, reference))}
+    assert min(np.abs(m - w).max() for m, w in zip(means[1], init)) > 1e-3
+    for two, one in zip(means[2], means[1]):
+        np.testing.assert_allclose(two, one, rtol=1e-4, atol=1e-6)
+
+
 def test_errors_and_serialization():
     x, y = classification_data(n=16)
     net = dense_net()
@@ -269,7 +324,7 @@ def test_errors_and_serialization():
     with pytest.raises(ValueError, match="fisher"):
         tfnng.optimizers.NoisyKFAC(num_examples=16, fisher="exact")
     with pytest.raises(ValueError, match="mc_samples"):
-        tfnng.optimizers.NoisyKFAC(num_examples=16, mc_samples=2)
+        tfnng.optimizers.KFAC(mc_samples=2)
     with pytest.raises(ValueError, match="damping"):
         tfnng.optimizers.KFAC(damping=0.0)
     with pytest.raises(ValueError, match="factor_prior_count"):

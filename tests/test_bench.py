@@ -99,9 +99,10 @@ def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
     summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=2, batch_size=4, mc_samples=3)
     assert summary["mc_samples"] == 3 and np.isfinite(summary["test_ll"])
     assert summary["optimizer_config"]["config"]["mc_samples"] == 3
-    for method in ("adam", "noisy_kfac"):                 # no weight samples / one per update
-        with pytest.raises(SystemExit, match="--mc-samples 2"):
-            uci.run_benchmark(tmp_path, "toy", method, epochs=1, mc_samples=2)
+    with pytest.raises(SystemExit, match="--mc-samples 2: adam is a MAP method"):
+        uci.run_benchmark(tmp_path, "toy", "adam", epochs=1, mc_samples=2)
+    with pytest.raises(SystemExit, match="--mc-samples 0"):
+        uci.run_benchmark(tmp_path, "toy", "noisy_kfac", epochs=1, mc_samples=0)
 
 
 def test_predictive_samples_reach_the_predictive(tmp_path, monkeypatch):

@@ -138,17 +138,18 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             (``tests/test_bayesian_model.py``).
 
     See :class:`~tfnng.optimizers.base.NoisyOptimizer` for ``prior_variance``, ``kl_weight``,
-    ``seed``. ``mc_samples`` must be 1.
+    ``seed`` and ``mc_samples``: with ``mc_samples = S`` the gradient and the sample in ``V``
+    are averaged over S evaluations, one mean step follows; every evaluation's statistics enter
+    the factor averages, and a due inverse update waits for the last evaluation of the group.
     """
 
     _noisy = True
+    _sample_statistic_names = ("grad", "weight")
 
     def __init__(self, learning_rate=1e-3, num_examples=None, stat_decay=0.01, momentum=0.0,
                  extrinsic_damping=1e-3, stats_every=10, inverse_every=200, fisher="true",
                  block_tridiagonal=False, kl_clip=None, kl_clip_decay=1.0, kl_clip_decay_steps=None,
                  inverse_warmup=True, factor_prior_count=4, name="noisy_kfac", **kwargs):
-        if kwargs.get("mc_samples", 1) != 1:
-            raise ValueError(f"{type(self).__name__} supports `mc_samples=1` only.")
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
         self.stat_decay = _positive("stat_decay", stat_decay)
         if self.stat_decay > 1:
@@ -361,12 +362,15 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             inverse_due = tf.equal(step % self.inverse_every, 0)
             if self.inverse_warmup:
                 inverse_due |= (step < self.inverse_every) & tf.equal(step % self.stats_every, 0)
-            inverse_due &= finite
+            inverse_due &= apply_now            # the last evaluation of an mc_samples group
             tf.cond(inverse_due, self._update_inverses, lambda: tf.constant(False))
         active = [b for b in self._blocks if b.kernel_index in by_index]
+        stats = self._block_statistics(active, by_index)
+        if self.mc_samples > 1:
+            stats = {i: self._accumulate(i, s, finite, apply_now) for i, s in stats.items()}
 
         def update_means():
-            self._kronecker_mean_step(active, by_index, learning_rate)
+            self._kronecker_mean_step(active, stats, learning_rate)
             return tf.constant(True)
 
         if active:
@@ -486,19 +490,33 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     def _chain_cache(self, chain, kind):
         return [{key: tf.convert_to_tensor(v) for key, v in b.state[kind].items()} for b in chain]
 
-    def _kronecker_mean_step(self, blocks, by_index, learning_rate):
+    def _block_statistics(self, blocks, by_index):
+        """Gradient and sample of each block variable (``{index: {"grad", "weight"}}``; a bias
+        without a gradient gets zeros)."""
+        stats = {}
+        for block in blocks:
+            for index in (block.kernel_index, block.bias_index):
+                if index is None:
+                    continue
+                sample = tf.convert_to_tensor(self._trainable_variables[index])
+                gradient = by_index.get(index, (None, None))[0]
+                gradient = tf.zeros_like(sample) if gradient is None else tf.cast(gradient, sample.dtype)
+                stats[index] = {"grad": gradient, "weight": sample}
+        return stats
+
+    def _kronecker_mean_step(self, blocks, stats, learning_rate):
+        """The mean step of Alg. 2 from the blocks' (Monte Carlo averaged) loss gradients G and
+        samples W: ``V = G + c W`` (c = ``weight_decay_coefficient``), ``M <- M - lr A^-1 V S^-1``
+        with the step-damped factors (eq. 13; block-tridiagonal for chains)."""
         directions, moments = {}, {}
         t = None
         for block in blocks:
-            g_kernel, kernel = by_index[block.kernel_index]
-            dtype = kernel.dtype
-            g_bias = bias = None
-            if block.bias_index is not None:
-                bias = tf.convert_to_tensor(self._trainable_variables[block.bias_index])
-                g_bias = by_index.get(block.bias_index, (None, None))[0]
-                g_bias = tf.zeros_like(bias) if g_bias is None else tf.cast(g_bias, dtype)
-            g = self._to_matrix(block, tf.cast(g_kernel, dtype), g_bias)
-            w = self._to_matrix(block, tf.convert_to_tensor(kernel), bias)
+            def matrix(name):
+                bias = None if block.bias_index is None else stats[block.bias_index][name]
+                return self._to_matrix(block, stats[block.kernel_index][name], bias)
+
+            g, w = matrix("grad"), matrix("weight")
+            dtype = w.dtype
             v = g + self.weight_decay_coefficient * w
             if self.momentum > 0:
                 t = self._step_number(dtype)
@@ -728,6 +746,8 @@ class KFAC(NoisyKFAC):
         if float(damping) < 0 or float(l2) < 0 or float(damping) + float(l2) <= 0:
             raise ValueError("KFAC needs `damping >= 0`, `l2 >= 0` and `damping + l2 > 0`, got "
                              f"damping={damping!r}, l2={l2!r}.")
+        if kwargs.get("mc_samples", 1) != 1:
+            raise ValueError("KFAC draws no weight samples: `mc_samples` must be 1.")
         super().__init__(learning_rate=learning_rate, num_examples=1, name=name, **kwargs)
         self.damping = float(damping)
         self.l2 = float(l2)
