@@ -13,7 +13,8 @@ The very first gradient is taken at the model's initial weights (``w_0 = mu_0``,
 
 With ``mc_samples = S > 1`` the optimizer accumulates S consecutive gradient evaluations, each at its
 own weight sample, and updates the posterior once with their average (the Monte Carlo estimate of the
-expected gradient); point-estimated variables (``tfnng._markers``) are updated with it, once. In ``model.fit`` these S evaluations see S consecutive batches (as with Keras's
+expected gradient); point-estimated variables (``tfnng._markers``) are updated with it, once. In
+``model.fit`` these S evaluations see S consecutive batches (as with Keras's
 ``gradient_accumulation_steps``); in a hand-written loop you may reuse one batch.
 
 Common vocabulary (NNG Alg. 1-2): ``num_examples`` N, ``prior_variance`` eta (or ``prior_precision``
