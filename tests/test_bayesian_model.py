@@ -305,8 +305,8 @@ def test_mc_samples_average_the_evaluations_of_a_group_into_one_mean_step(block_
         net, _, optimizer = reference
         g1, _ = evaluate(*reference, b1)
         g2, curvature = evaluate(*reference, b2)
-        optimizer.apply_gradients([((a + b) / 2, v) for a, b, v in zip(g1, g2, net.trainable_variables)],
-                                  curvature=curvature)
+        averaged = [(a + b) / 2 for a, b in zip(g1, g2)]
+        optimizer.apply_gradients(zip(averaged, net.trainable_variables), curvature=curvature)
     assert int(grouped[2]._update_count.numpy()) == int(reference[2]._update_count.numpy()) == 3
     means = {mc: [opt.posterior_mean(v).numpy() for v in net.trainable_variables]
              for mc, (net, _, opt) in ((2, grouped), (1, reference))}

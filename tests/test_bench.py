@@ -84,9 +84,10 @@ def test_first_split_selects_a_range_of_splits(tmp_path):
 
 def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
     rng = np.random.default_rng(3)
-    data = uci.Split(*(rng.normal(size=shape).astype(np.float32) for shape in ((7, 2), (7, 1), (3, 2), (3, 1))),
-                     y_mean=0.0, y_std=1.0)
-    batches = [x.numpy() for x, _ in uci._training_batches(data, batch_size=3, epochs=2, seed=0, mc_samples=3)]
+    shapes = ((7, 2), (7, 1), (3, 2), (3, 1))          # x_train, y_train, x_test, y_test
+    data = uci.Split(*(rng.normal(size=s).astype(np.float32) for s in shapes), y_mean=0.0, y_std=1.0)
+    pipeline = uci._training_batches(data, batch_size=3, epochs=2, seed=0, mc_samples=3)
+    batches = [x.numpy() for x, _ in pipeline]
     assert len(batches) == 2 * 3 * 3                     # epochs x ceil(7 / 3) batches x samples
     for group in range(0, len(batches), 3):              # three copies in a row, then the next batch
         for copy in batches[group + 1:group + 3]:
