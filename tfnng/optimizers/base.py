@@ -215,8 +215,12 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                     if self._point[i] and self._natural_steps[i] is None else None
                     for i, v in enumerate(variables)]
             if self.mc_samples > 1:
+                # Monte Carlo sums: the sample statistics of the Bayesian variables, the gradient of
+                # the point estimates (lists aligned with the variables, None where unused).
                 self._accumulators = {
-                    name: self.add_optimizer_variables(variables, f"mc_sum_{name}")
+                    name: [None if self._point[i] else
+                           self.add_variable_from_reference(v, f"mc_sum_{name}")
+                           for i, v in enumerate(variables)]
                     for name in self._sample_statistic_names}
                 self._point_gradient_sums = [
                     self.add_variable_from_reference(v, "mc_sum_point_grad") if self._point[i] else None
