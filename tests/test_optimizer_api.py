@@ -81,6 +81,49 @@ def test_use_mean_restores_the_sample_and_predict_leaves_weights_unchanged():
     np.testing.assert_array_equal(kernel.numpy(), before)
 
 
+def test_predict_keeps_frozen_variables_fixed_and_restores_every_variable():
+    """Variables frozen after training keep their values during and after tfnng.predict."""
+    x, y = regression_data()
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=len(x)),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    before = [v.numpy() for v in model.variables]
+    model.trainable = False
+    prediction = tfnng.predict(model, x[:5], num_samples=4)
+    np.testing.assert_array_equal(prediction.epistemic_variance, 0.0)   # nothing sampled
+    np.testing.assert_allclose(prediction.mean, model(x[:5]).numpy(), rtol=1e-5, atol=1e-6)
+    model.trainable = True
+    model.layers[0].trainable = False
+    prediction = tfnng.predict(model, x[:5], num_samples=4)
+    assert prediction.epistemic_variance.min() > 0                      # the last layer is
+    for variable, value in zip(model.variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
+def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
+    x, y = regression_data(n=16)
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=len(x)),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    with pytest.raises(ValueError, match="no posterior yet"):       # not one silent deterministic draw
+        tfnng.predict(model, x, num_samples=10)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for bad in (tf.data.Dataset.from_tensor_slices(x).batch(4), [x, x], {"x": x}):
+        with pytest.raises(TypeError, match="one array or tensor"):
+            tfnng.predict(model, bad, num_samples=2)
+    with pytest.raises(ValueError, match="at least one input example"):
+        tfnng.predict(model, x[:0], num_samples=2)
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="batch_size"):
+            tfnng.predict(model, x, num_samples=2, batch_size=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="num_samples"):
+            tfnng.predict(model, x, num_samples=bad)
+    nested = tfnng.predict(model, x[:3].tolist(), num_samples=2, batch_size=2)   # nested lists: one array
+    assert nested.mean.shape == (3, 1)
+
+
 def test_hand_written_tape_loop_and_retracing():
     x, y = regression_data()
     model = small_net()

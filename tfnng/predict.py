@@ -60,12 +60,13 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
 
     Each of the ``num_samples`` weight samples is drawn from the posterior held by ``model.optimizer``
     (a tfnng optimizer) and used for all of ``x``. A model compiled with a plain Keras optimizer (a
-    point estimate) gives one deterministic sample. The model's variables are restored afterwards, so
-    training can continue.
+    point estimate) gives one deterministic sample. Variables the model no longer trains (frozen with
+    ``trainable = False`` after training) keep their values, as in :mod:`tfnng.serving`. The model's
+    variables are restored afterwards, so training can continue.
 
     Args:
         model: a built Keras model compiled with a tfnng optimizer (or any optimizer, see above).
-        x: inputs (array or tensor).
+        x: inputs, one array or tensor of shape ``(N, ...)``.
         num_samples: number S of weight samples.
         batch_size: forward-pass batch size (default: all of ``x`` at once).
         likelihood: a tfnng loss; defaults to ``model.loss``.
@@ -75,31 +76,66 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
         A :class:`Predictive`.
     """
     likelihood = _likelihood_of(model, likelihood)
-    if int(num_samples) < 1:
-        raise ValueError(f"`num_samples` must be >= 1, got {num_samples!r}.")
+    if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
+        raise ValueError(f"`num_samples` must be an integer >= 1, got {num_samples!r}.")
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
-    bayesian = isinstance(optimizer, NoisyOptimizer) and optimizer.built
+    bayesian = isinstance(optimizer, NoisyOptimizer)
+    if bayesian and not optimizer.built:
+        raise ValueError(
+            f"{type(optimizer).__name__} has no posterior yet: train the model (or restore a "
+            "checkpoint that includes the optimizer) before calling tfnng.predict.")
     num_samples = int(num_samples) if bayesian else 1
-    x = tf.convert_to_tensor(x)
-    batch_size = int(batch_size or x.shape[0])
+    x = _inputs(x)
+    batch_size = _batch_size(batch_size, x.shape[0])
     forward = tf.function(lambda xb: model(xb, training=False), reduce_retracing=True)
     # Python-only control flow: no autograph (which would re-read the optimizer's source).
     draw = tf.function(optimizer.sample_weights, autograph=False) if bayesian else None
 
-    saved = [tf.identity(v) for v in model.trainable_variables]
+    # Every variable a draw writes, and those of them the model no longer trains (kept fixed).
+    written = list(optimizer._trainable_variables) if bayesian else []
+    trainable = {id(v) for v in model.trainable_variables}
+    variables = list(model.trainable_variables) + [v for v in written if id(v) not in trainable]
+    saved = [tf.identity(v) for v in variables]
+    frozen = [(v, value) for v, value in zip(variables, saved) if id(v) not in trainable]
     outputs = []
     try:
         for _ in range(num_samples):
             if bayesian:
                 draw()
+                for variable, value in frozen:
+                    variable.assign(value)
             outputs.append(np.concatenate([
                 forward(x[start:start + batch_size]).numpy()
                 for start in range(0, x.shape[0], batch_size)]))
     finally:
-        for variable, value in zip(model.trainable_variables, saved):
+        for variable, value in zip(variables, saved):
             variable.assign(value)
     outputs = np.stack(outputs)
     return _summarise(outputs, likelihood, return_samples)
+
+
+def _inputs(x):
+    """``x`` as one tensor with a batch axis of at least one example (clear error otherwise)."""
+    several = isinstance(x, (list, tuple)) and any(isinstance(part, (np.ndarray, tf.Tensor, dict))
+                                                   for part in x)
+    if several or isinstance(x, (tf.data.Dataset, dict)):
+        raise TypeError(
+            "tfnng.predict takes one array or tensor of inputs, shape (N, ...); got "
+            f"{type(x).__name__}{' of arrays' if several else ''}. For a tf.data pipeline, call it "
+            "on the arrays (e.g. per batch); for a model with several inputs, draw weight samples "
+            "with `model.optimizer.sample_weights()` and call the model at each.")
+    x = tf.convert_to_tensor(x)
+    if x.shape.rank == 0 or x.shape[0] == 0:
+        raise ValueError(f"tfnng.predict needs at least one input example, got shape {tuple(x.shape)}.")
+    return x
+
+
+def _batch_size(batch_size, num_inputs):
+    if batch_size is None:
+        return num_inputs
+    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+        raise ValueError(f"`batch_size` must be None or an integer >= 1, got {batch_size!r}.")
+    return int(batch_size)
 
 
 def _per_weight_sample(fn, outputs):
