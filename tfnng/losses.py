@@ -147,6 +147,11 @@ class GaussianNLL(LikelihoodLoss):
     def _split(self, y_pred):
         """``y_pred`` -> (mean, alpha, beta); alpha and beta are ``None`` for fixed noise."""
         y_pred = self._y_pred(y_pred)
+        if y_pred.shape.rank != 2:
+            raise ValueError(
+                "GaussianNLL expects y_pred of shape (batch, d) (the network's last layer, e.g. "
+                f"Dense(d)); got shape {tuple(y_pred.shape)}. A (batch,) output would be read as one "
+                "example with `batch` outputs: keep the trailing axis.")
         if not self.learned:
             return y_pred, None, None
         width = y_pred.shape[-1]
