@@ -7,9 +7,10 @@ import functools
 import numpy as np
 import pytest
 import keras
+import tensorflow as tf
 
 import tfnng
-from tfnng import callbacks
+from tfnng import callbacks, serving
 
 POLICIES = ["mixed_float16", "mixed_bfloat16"]
 # Largest allowed deviation from the float32 run, relative to how far the float32 run moved the
@@ -146,6 +147,7 @@ def test_keras_loss_scale_wrapper_is_seen_through(tmp_path):
         history = model.fit(x, labels, batch_size=16, epochs=2, verbose=0, callbacks=[
             callbacks.PredictiveValidation(x, labels, num_samples=4),
             callbacks.PosteriorTensorBoard(tmp_path)]).history
+        serving.export(model, tmp_path / "exported", num_samples=5)
     finally:
         keras.mixed_precision.set_global_policy(previous)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -157,3 +159,7 @@ def test_keras_loss_scale_wrapper_is_seen_through(tmp_path):
     prediction = tfnng.predict(model, x[:8], num_samples=6, return_samples=True)
     assert np.ptp(prediction.samples, axis=0).max() > 0       # posterior samples, not one point
     assert any(path.name.startswith("events.out.tfevents") for path in tmp_path.iterdir())
+    served = tf.saved_model.load(str(tmp_path / "exported")).signatures["seeded"](
+        inputs=tf.constant(x[:8]), seed=tf.constant([1, 2], tf.int64))
+    np.testing.assert_allclose(served["mean"].numpy().sum(axis=-1), 1.0, rtol=1e-5)
+    assert np.ptp(served["samples"].numpy(), axis=1).max() > 0          # posterior samples served

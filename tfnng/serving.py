@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfnng import _random
+from tfnng.models import unwrap_optimizer
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
 from tfnng.optimizers.base import NoisyOptimizer
 from tfnng.optimizers.kfac import NoisyKFAC
@@ -171,7 +172,7 @@ def _flat_sampler(optimizer, positions):
 
 
 def _exportable_optimizer(model):
-    optimizer = getattr(model, "optimizer", None)
+    optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     if not isinstance(optimizer, NoisyOptimizer):
         raise ValueError(
             "tfnng.serving.export needs a model compiled with a tfnng optimizer (its posterior is "
