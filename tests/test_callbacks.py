@@ -185,6 +185,21 @@ def test_tensorboard_and_validation_reject_bad_setups(tmp_path):
             callbacks.PredictiveValidation(x, y, **kwargs)
 
 
+@pytest.mark.parametrize("steps_per_execution, batch_steps", [
+    (1, [4, 8, 12, 16, 20, 24]), (4, [4, 8, 12, 16, 20, 24]), (5, [5, 10, 12, 17, 22, 24])])
+def test_tensorboard_every_k_batches_counts_batches_with_steps_per_execution(
+        tmp_path, steps_per_execution, batch_steps):
+    """Batch summaries follow the batches seen, not the executions (12 batches per epoch)."""
+    x, y = regression_data(n=24)
+    model = regression_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=len(x)), loss="mse",
+                  steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=2, epochs=2, verbose=0, callbacks=[
+        callbacks.PosteriorTensorBoard(tmp_path, histogram_freq=0, update_freq=4)])
+    steps = [step for step, _, _ in read_events(tmp_path)["elbo/kl"]]
+    assert steps == sorted(batch_steps + [12, 24])           # and the two epoch summaries
+
+
 def test_histogram_buckets():
     histogram = callbacks.histogram_buckets([1.0, 2.0, 2.0, 4.0, np.nan, np.inf], bucket_count=3)
     np.testing.assert_allclose(histogram, [[1, 2, 1], [2, 3, 2], [3, 4, 1]])

@@ -177,7 +177,8 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
         log_dir: directory of the event files (may be shared with ``keras.callbacks.TensorBoard``).
         histogram_freq: epochs between histograms (0: none).
         update_freq: ``"epoch"`` (scalars at the end of each epoch) or an integer k (also every k
-            training batches).
+            training batches; with ``steps_per_execution > 1``, after the execution that
+            completes each k-th batch).
         bucket_count: buckets of each histogram.
     """
 
@@ -190,15 +191,23 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
         self.update_freq = update_freq
         self.bucket_count = _positive_int("bucket_count", bucket_count)
         self._writer = None
-        self._batches_seen = 0
+        self._batches_seen = self._batches_before_epoch = 0
 
     def on_train_begin(self, logs=None):
         self._optimizer = _tfnng_optimizer(self.model, type(self).__name__)
         self._writer = tf.summary.create_file_writer(self.log_dir)
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._batches_before_epoch = self._batches_seen
+
     def on_train_batch_end(self, batch, logs=None):
-        self._batches_seen += 1
-        if self.update_freq != "epoch" and self._batches_seen % self.update_freq == 0:
+        # ``batch`` is the epoch's last batch run so far: with ``steps_per_execution`` s > 1 Keras
+        # calls this once per s batches (the epoch's last call may cover fewer).
+        steps = self.params.get("steps") if self.params else None
+        done = batch + 1 if not steps else min(batch + 1, steps)
+        previous, self._batches_seen = self._batches_seen, self._batches_before_epoch + done
+        if self.update_freq != "epoch" and (self._batches_seen // self.update_freq
+                                            > previous // self.update_freq):
             self._write_scalars(logs or {}, self._batches_seen)
 
     def on_epoch_end(self, epoch, logs=None):
