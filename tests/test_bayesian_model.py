@@ -315,6 +315,27 @@ def test_mc_samples_average_the_evaluations_of_a_group_into_one_mean_step(block_
         np.testing.assert_allclose(two, one, rtol=1e-4, atol=1e-6)
 
 
+class SubclassedNet(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.parametrize("make_net", [
+    SubclassedNet, lambda: keras.Sequential([keras.layers.Dense(8, activation="tanh"),
+                                             keras.layers.Dense(2)])])
+def test_nets_built_by_their_first_batch_get_every_layer_captured(make_net):
+    """Keras builds an unbuilt net while tracing the first train step: K-FAC still gets its layers."""
+    x, y = classification_data(n=32)
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=len(x), seed=0)
+    model, history = fit(make_net(), optimizer, x, y, epochs=2)
+    assert len(optimizer._blocks) == 2 and np.isfinite(history["loss"]).all()
+    assert int(optimizer._update_count.numpy()) == 2 * 2
+
+
 def test_errors_and_serialization():
     x, y = classification_data(n=16)
     net = dense_net()

@@ -229,7 +229,8 @@ class BayesianModel(keras.Model):
     is Keras's own plus the ``nll``/``kl`` metrics.
 
     Args:
-        net: a built Keras model (Sequential, functional or subclassed). Supported layers for the
+        net: a Keras model (Sequential, functional or subclassed; if unbuilt, its first training
+            batch builds it). Supported layers for the
             Kronecker family: Dense and Conv2D (see :mod:`tfnng.curvature.capture`); others fall back
             to a diagonal posterior, stated once in a log line.
     """
@@ -323,6 +324,10 @@ class BayesianModel(keras.Model):
             grads = tape.gradient(scaled_nll, self.trainable_variables)
             optimizer.apply_gradients(zip(grads, self.trainable_variables))
         else:
+            if not self.net.built:
+                # Keras defers building to the first trace of the train step; the captured layers
+                # and the optimizer's state need the net's variables first.
+                self.net(x, training=False)
             if self._layer_capture is None:
                 self._prepare_curvature()
             if not optimizer.built:
