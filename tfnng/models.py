@@ -230,9 +230,9 @@ class BayesianModel(keras.Model):
 
     Args:
         net: a Keras model (Sequential, functional or subclassed; if unbuilt, its first training
-            batch builds it). Supported layers for the
-            Kronecker family: Dense and Conv2D (see :mod:`tfnng.curvature.capture`); others fall back
-            to a diagonal posterior, stated once in a log line.
+            batch builds it). Supported layers for the Kronecker family: Dense and Conv2D (see
+            :mod:`tfnng.curvature.capture`); others fall back to a diagonal posterior, stated once
+            in a log line.
     """
 
     def __init__(self, net, **kwargs):
