@@ -336,6 +336,27 @@ def test_nets_built_by_their_first_batch_get_every_layer_captured(make_net):
     assert int(optimizer._update_count.numpy()) == 2 * 2
 
 
+@pytest.mark.parametrize("make_optimizer, joint", [
+    (lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n), True),
+    (lambda n: tfnng.optimizers.SLANG(learning_rate=0.05, num_examples=n, rank=2), True),
+    (lambda n: tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=n), False)])
+def test_freezing_a_layer_and_recompiling_with_the_same_optimizer(make_optimizer, joint):
+    """Per-variable curvature (VOGN) trains on; joint curvature state (K-FAC, SLANG) says why not."""
+    x, y = classification_data(n=32)
+    optimizer = make_optimizer(len(x))
+    model, _ = fit(dense_net(), optimizer, x, y, epochs=1)
+    model.net.layers[0].trainable = False
+    if joint:
+        with pytest.raises(ValueError, match="built for the layers"):
+            model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+        return
+    frozen = model.net.layers[0].kernel.numpy()
+    model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert int(optimizer._update_count.numpy()) == 4
+    np.testing.assert_array_equal(model.net.layers[0].kernel.numpy(), frozen)
+
+
 def test_errors_and_serialization():
     x, y = classification_data(n=16)
     net = dense_net()

@@ -88,3 +88,25 @@ def test_blocktri_optimizer_matches_dense_construction_and_samples():
                       - np.linalg.slogdet(covariance)[1])
     np.testing.assert_allclose(float(optimizer.kl_divergence()), dense_kl, rtol=1e-8)
 
+
+
+class SubclassedStack(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.stack = [keras.layers.Dense(k, activation="tanh") for k in (4, 3)] + [keras.layers.Dense(1)]
+
+    def call(self, x):
+        for layer in self.stack:
+            x = layer(x)
+        return x
+
+
+def test_subclassed_dense_stack_is_chained_from_its_build_shapes():
+    """A subclassed model's layers have no graph node: the chain uses the shapes they were built with."""
+    net = SubclassedStack()
+    net(np.zeros((1, 3), "float32"))
+    optimizer = tfnng.optimizers.NoisyKFAC(num_examples=10, block_tridiagonal=True)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    model.fit(np.ones((10, 3), "float32"), np.ones((10, 1), "float32"), batch_size=5, verbose=0)
+    assert [len(chain) for chain in optimizer._chains] == [3]

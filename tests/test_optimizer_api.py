@@ -232,15 +232,47 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     ({"num_examples": 10, "mc_samples": 0}, "mc_samples"),
     ({"num_examples": 10, "weight_decay": 0.1}, "weight_decay"),
     ({"num_examples": 10, "beta_2": 1.0}, "beta_2"),
+    ({"num_examples": float("inf")}, "positive integer"),
+    ({"num_examples": 10, "hess_init": float("inf")}, "hess_init"),
+    ({"num_examples": 10, "hess_init": float("nan")}, "hess_init"),
+    ({"num_examples": 10, "extrinsic_damping": "0.1x"}, "extrinsic_damping"),
 ])
 def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tfnng.optimizers.NoisyAdam(**kwargs)
 
 
-def test_posterior_access_before_build_is_a_clear_error():
+@pytest.mark.parametrize("make, match", [
+    (lambda: tfnng.optimizers.VadaGrad(num_examples=10, hess_init=float("nan")), "hess_init"),
+    (lambda: tfnng.optimizers.IVON(ess=100.5), "ess"),
+    (lambda: tfnng.optimizers.KFAC(damping=float("nan")), "damping"),
+    (lambda: tfnng.optimizers.KFAC(l2=float("inf")), "l2"),
+    (lambda: tfnng.optimizers.SLANG(num_examples=10, oversampling=-2), "oversampling"),
+    (lambda: tfnng.optimizers.NoisyNaturalGradient(num_examples=10, max_parameters=0),
+     "max_parameters"),
+])
+def test_method_specific_hyper_parameters_are_validated(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_weight_constraints_are_refused_at_build():
+    """A constraint would project the sample, never the posterior (its mean and draws)."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        3, kernel_constraint=keras.constraints.NonNeg())])
+    model.compile(optimizer=tfnng.optimizers.IVON(num_examples=8), loss="mse")
+    with pytest.raises(ValueError, match="weight constraint"):
+        model.fit(np.ones((8, 4)), np.ones((8, 3)), verbose=0)
+
+
+def test_posterior_access_before_build_or_for_a_foreign_variable_is_a_clear_error():
     with pytest.raises(ValueError, match="no posterior yet"):
         tfnng.optimizers.Vprop(num_examples=10).kl_divergence()
+    optimizer = tfnng.optimizers.Vprop(num_examples=10)
+    model = small_net()
+    optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="no posterior for"):
+        optimizer.posterior_mean(keras.Variable(np.zeros(3, "float32")))
 
 
 def test_weight_noise_is_seeded_and_drawn_with_philox_also_under_xla():

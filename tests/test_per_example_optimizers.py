@@ -68,6 +68,16 @@ def mixed_net():
         Wiggle(dtype=F64), keras.layers.Dense(2, dtype=F64)])
 
 
+def loop_gradients(net, loss, x, y, variable):
+    """grad_variable log p(y_n | x_n) for each example n, one example at a time."""
+    gradients = []
+    for n in range(len(x)):
+        with tf.GradientTape() as tape:
+            ll = tf.reduce_sum(loss.log_prob(y[n:n + 1], net(x[n:n + 1], training=False)))
+        gradients.append(tape.gradient(ll, variable).numpy())
+    return gradients
+
+
 def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     """Every variable's per-example gradient, as the optimizer sees it, equals a loop over examples
     of grad log p(y_i | x_i) — Conv2D/Dense by the fast path, LayerNormalization and a custom layer by
@@ -90,11 +100,7 @@ def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     assert {id(net.trainable_variables[i]) for i in fast} == expected_fast
     rows = []
     for i, variable in enumerate(net.trainable_variables):
-        expected = []
-        for n in range(4):
-            with tf.GradientTape() as tape:
-                ll = tf.reduce_sum(loss.log_prob(y[n:n + 1], net(x[n:n + 1], training=False)))
-            expected.append(tape.gradient(ll, variable).numpy())
+        expected = loop_gradients(net, loss, x, y, variable)
         np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
                                    np.mean(np.square(expected), axis=0), rtol=1e-9, atol=1e-12)
         rows.append(np.reshape(expected, (4, -1)))
@@ -113,6 +119,81 @@ def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     np.testing.assert_allclose(columns.gram().numpy(), dense.T @ dense, rtol=1e-9)
     np.testing.assert_allclose(columns.squared_row_norms().numpy(), np.sum(dense ** 2, axis=1),
                                rtol=1e-9, atol=1e-12)
+
+
+class TwinNames(keras.Model):
+    """Two LayerNormalization and two Dense layers sharing a name: their variable paths repeat."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = [keras.layers.LayerNormalization(name="ln", dtype=F64) for _ in range(2)]
+        self.dense = [keras.layers.Dense(k, activation="tanh", name="blk", dtype=F64) for k in (4, 2)]
+
+    def call(self, x):
+        return self.dense[1](self.norms[1](self.dense[0](self.norms[0](x))))
+
+
+def test_repeated_variable_paths_keep_each_variable_its_own_statistics_and_posterior():
+    net = TwinNames()
+    net(tf.zeros((1, 3), F64))
+    variables = net.trainable_variables
+    assert len({v.path for v in variables}) < len(variables) == 8
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
+    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
+    capture = LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(variables)
+    rng = np.random.default_rng(2)
+    x, y = tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(5, 2)))
+    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    optimizer.receive_curvature(curvature)
+    for i, variable in enumerate(variables):
+        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
+                                   np.mean(np.square(loop_gradients(net, loss, x, y, variable)), 0),
+                                   rtol=1e-9, atol=1e-12)
+    assert len(optimizer.posterior().model) == len(variables)        # no part dropped
+    kfac = tfnng.optimizers.NoisyKFAC(num_examples=10)
+    kfac.prepare_curvature(capture.specs)
+    kfac.build(variables)
+    assert len(kfac.posterior().model) == 2 + 4         # two MVG layers, four diagonal LN variables
+
+
+class TiedDecoder(keras.layers.Layer):
+    """Holds and uses the transposed kernel of another (Dense) layer: a tied weight."""
+
+    def __init__(self, encoder_kernel, **kwargs):
+        super().__init__(**kwargs)
+        self.tied_kernel = encoder_kernel
+
+    def build(self, input_shape):
+        self.bias = self.add_weight(shape=(self.tied_kernel.shape[0],), initializer="zeros",
+                                    dtype=F64)
+
+    def call(self, h):
+        return tf.matmul(h, self.tied_kernel, transpose_b=True) + self.bias
+
+
+def test_tied_weights_take_the_generic_path():
+    """A Dense kernel that another layer also uses gets its per-example gradients from the generic
+    path: the Dense layer's own inputs and pre-activation gradients would miss the decoder's use."""
+    inputs = keras.Input((4,), dtype=F64)
+    encoder = keras.layers.Dense(3, activation="tanh", dtype=F64)
+    hidden = encoder(inputs)
+    net = keras.Model(inputs, TiedDecoder(encoder.kernel, dtype=F64)(hidden))
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
+    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
+    capture = LayerCapture(net)
+    assert capture.specs == []
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    rng = np.random.default_rng(3)
+    x, y = tf.constant(rng.normal(size=(5, 4))), tf.constant(rng.normal(size=(5, 4)))
+    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    optimizer.receive_curvature(curvature)
+    for i, variable in enumerate(net.trainable_variables):
+        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
+                                   np.mean(np.square(loop_gradients(net, loss, x, y, variable)), 0),
+                                   rtol=1e-9, atol=1e-12)
 
 
 # ------------------------------------------------------------------- NumPy references, fixed noise

@@ -24,8 +24,9 @@ from tensorflow.core.framework import summary_pb2
 
 from tfnng import _markers
 from tfnng import metrics as _metrics
+from tfnng._names import unique_names
 from tfnng.models import unwrap_optimizer
-from tfnng.optimizers.base import NoisyOptimizer
+from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
 from tfnng.predict import _likelihood_of, predict
 
 
@@ -35,18 +36,6 @@ def _tfnng_optimizer(model, caller):
         raise ValueError(f"{caller} needs a model compiled with a tfnng optimizer, got "
                          f"{type(optimizer).__name__}.")
     return optimizer
-
-
-def _non_negative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
-    return int(value)
-
-
-def _positive_int(name, value):
-    if _non_negative_int(name, value) < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-    return int(value)
 
 
 # ---------------------------------------------------------------------------- predictive validation
@@ -238,11 +227,10 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
                                  metadata=_SCALAR)
 
     def _write_histograms(self, step):
+        variables = [v for v in self.model.trainable_variables if not _markers.is_point_estimate(v)]
         with self._writer.as_default():
-            for variable in self.model.trainable_variables:
-                if _markers.is_point_estimate(variable):
-                    continue
+            for name, variable in zip(unique_names([v.path for v in variables]), variables):
                 stddev = self._optimizer.posterior_stddev(variable).numpy()
-                tf.summary.write(f"posterior_stddev/{variable.path}",
+                tf.summary.write(f"posterior_stddev/{name}",
                                  histogram_buckets(stddev, self.bucket_count), step=step,
                                  metadata=_HISTOGRAM)

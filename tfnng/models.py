@@ -49,7 +49,8 @@ Hand-written loops use the same pieces through :func:`gradients_and_curvature`::
 
     capture = tfnng.curvature.capture.LayerCapture(net)
     optimizer.prepare_curvature(capture.specs)
-    loss, grads, curvature = tfnng.models.gradients_and_curvature(net, capture, optimizer, loss_fn, x, y)
+    loss, y_pred, grads, curvature = tfnng.models.gradients_and_curvature(
+        net, capture, optimizer, loss_fn, x, y)
     optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
 """
 
@@ -59,6 +60,7 @@ from keras.src.trainers import data_adapters
 
 from tfnng import _markers
 from tfnng import losses as _losses
+from tfnng._names import unique_names
 from tfnng.curvature import capture as _capture
 from tfnng.curvature import per_example as _per_example
 
@@ -217,7 +219,8 @@ def _generic_records(net, loss_fn, x, targets, variables, due):
     gradients = tf.cond(due, compute,
                         lambda: [tf.zeros((tf.shape(targets)[0],) + tuple(v.shape), v.dtype)
                                  for v in variables])
-    return {v.path: _per_example.CapturedVariable(v, g) for v, g in zip(variables, gradients)}
+    return {name: _per_example.CapturedVariable(v, g)
+            for name, v, g in zip(unique_names([v.path for v in variables]), variables, gradients)}
 
 
 @keras.saving.register_keras_serializable(package="tfnng")

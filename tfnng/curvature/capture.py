@@ -22,11 +22,14 @@ subclass. Every other layer that owns trainable variables is reported by
 :func:`find_layers` as a *fallback* layer: the optimizer gives its variables a diagonal posterior.
 """
 
+import collections
 import contextlib
 import dataclasses
 
 import keras
 import tensorflow as tf
+
+from tfnng._names import unique_names
 
 DENSE = "dense"
 CONV2D = "conv2d"
@@ -99,19 +102,26 @@ def find_layers(model):
     Returns ``(specs, fallback)``: a list of :class:`LayerSpec` (in the order of
     ``model._flatten_layers``, which for Sequential and functional models is the order of the
     forward pass) and a list of the other layers owning trainable variables that are not held by a
-    sub-layer (their variables will get a diagonal posterior).
+    sub-layer (their variables will get a diagonal posterior). A Dense or Conv2D layer whose kernel
+    or bias another layer also holds (tied weights) is a fallback: its inputs and pre-activation
+    gradients would miss the other use of the weight. Only a weight held as an attribute of the
+    other layer is seen; one reached through another layer object (``self.encoder.kernel``) is not.
     """
-    specs, fallback, names = [], [], set()
-    for layer in _leaf_layers(model):
+    layers = _leaf_layers(model)
+    holders = collections.Counter(id(v) for layer in layers for v in layer._trainable_variables)
+    supported, fallback = [], []
+    for layer in layers:
         kind = layer_kind(layer)
+        if kind is not None and any(holders[id(v)] > 1 for v in (layer.kernel, layer.bias)
+                                    if v is not None):
+            kind = None
         if kind is not None:
-            name = layer.path if hasattr(layer, "path") else layer.name
-            while name in names:
-                name += "_"
-            names.add(name)
-            specs.append(LayerSpec(layer, kind, layer.kernel, layer.bias, name))
+            supported.append((layer, kind))
         elif layer._trainable_variables and layer.trainable:
             fallback.append(layer)
+    names = unique_names([getattr(layer, "path", layer.name) for layer, _ in supported])
+    specs = [LayerSpec(layer, kind, layer.kernel, layer.bias, name)
+             for (layer, kind), name in zip(supported, names)]
     return specs, fallback
 
 

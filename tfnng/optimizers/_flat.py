@@ -13,6 +13,7 @@ operator that forms them only where needed (:class:`tfnng.curvature.per_example.
 import numpy as np
 import tensorflow as tf
 
+from tfnng._names import unique_names
 from tfnng.optimizers._per_example import PerExampleOptimizer
 
 
@@ -32,6 +33,7 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
     """
 
     _sample_statistic_names = ()
+    _joint_over_layers = True
 
     # ---------------------------------------------------------------------------------------- state
     def build(self, variables):
@@ -146,7 +148,9 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         return self._distribution(self._flat_mean())
 
     def posterior_layout(self):
-        """``[(variable path, shape), ...]``: how the flat posterior vector maps onto the model."""
+        """``[(variable path, shape), ...]``: how the flat posterior vector maps onto the model (a
+        repeated path gets a suffix, ``_1``, ``_2``...)."""
         self._require_built()
-        return [(self._trainable_variables[i].path, tuple(self._trainable_variables[i].shape))
-                for i in self._flat_indices]
+        names = unique_names([self._trainable_variables[i].path for i in self._flat_indices])
+        return [(name, tuple(self._trainable_variables[i].shape))
+                for name, i in zip(names, self._flat_indices)]

@@ -69,10 +69,10 @@ class PerExampleStatistics:
 
     def _generic_gradients(self, index):
         variable = self._trainable_variables[index]
-        record = self._records().get(variable.path)
-        if record is None:
-            raise ValueError(f"{type(self).__name__}: no per-example gradients for {variable.path}.")
-        return record.gradients
+        for record in self._records().values():      # by identity: paths need not be unique
+            if getattr(record, "variable", None) is variable:
+                return record.gradients
+        raise ValueError(f"{type(self).__name__}: no per-example gradients for {variable.path}.")
 
 
 class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):

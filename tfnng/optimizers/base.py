@@ -30,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from tfnng import _markers, _random
+from tfnng._names import unique_names
 from tfnng._xla import compiled_with_xla
 from tfnng.posteriors import diagonal as _diagonal
 
@@ -45,14 +46,31 @@ def _positive(name, value):
 
 
 def _non_negative(name, value):
-    if not float(value) >= 0:
-        raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+    try:
+        ok = 0 <= float(value) < float("inf")
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
     return float(value)
 
 
+def _is_integer(value):
+    try:
+        return not isinstance(value, bool) and int(value) == value
+    except (TypeError, ValueError, OverflowError):       # None, strings, inf, nan
+        return False
+
+
 def _positive_int(name, value):
-    if isinstance(value, bool) or int(value) != value or value < 1:
+    if not _is_integer(value) or value < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+def _non_negative_int(name, value):
+    if not _is_integer(value) or value < 0:
+        raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
     return int(value)
 
 
@@ -75,7 +93,7 @@ def _validate_num_examples(num_examples):
         raise ValueError(
             "`num_examples` (N, the number of training examples) is required: the posterior "
             "variance and the prior term scale with 1/N. Pass e.g. num_examples=len(x_train).")
-    if isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples <= 0:
+    if not _is_integer(num_examples) or num_examples <= 0:
         raise ValueError(f"`num_examples` must be a positive integer, got {num_examples!r}.")
     return int(num_examples)
 
@@ -192,6 +210,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def build(self, variables):
         if self.built:
             return
+        constrained = [v.path for v in variables if getattr(v, "constraint", None) is not None]
+        if constrained:
+            raise ValueError(
+                f"{type(self).__name__} cannot train variables with a Keras weight constraint "
+                f"({', '.join(constrained)}): Keras would project the weight sample after each "
+                "update while the Gaussian posterior stays unconstrained. Remove the constraint "
+                "(the prior regularises the weights).")
         super().build(variables)
         with keras.name_scope(self.name, caller=self):
             self._point = [_markers.is_point_estimate(v) for v in variables]
@@ -417,26 +442,36 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         self._require_built()
         return [i for i, point in enumerate(self._point) if not point]
 
+    def _posterior_index(self, variable):
+        """Index of a variable this optimizer trains (a clear error for any other)."""
+        self._require_built()
+        try:
+            return self._get_variable_index(variable)
+        except KeyError:
+            raise ValueError(
+                f"{type(self).__name__} has no posterior for {getattr(variable, 'path', variable)}: "
+                "it is not one of the variables the optimizer was built with (a non-trainable "
+                "variable such as a BatchNormalization statistic, or another model's).") from None
+
     def posterior_mean(self, variable):
         """Posterior mean mu of a model variable."""
-        self._require_built()
-        return tf.convert_to_tensor(self._means[self._get_variable_index(variable)])
+        return tf.convert_to_tensor(self._means[self._posterior_index(variable)])
 
     def posterior_stddev(self, variable):
         """Posterior standard deviation sigma of a model variable (zeros for point estimates)."""
-        self._require_built()
-        index = self._get_variable_index(variable)
+        index = self._posterior_index(variable)
         if self._point[index]:
             return tf.zeros_like(self._means[index])
         return tf.convert_to_tensor(self._stddev(index))
 
     def posterior(self):
-        """The posterior of all Bayesian variables as a ``tfd.JointDistributionNamed`` keyed by path."""
+        """The posterior of all Bayesian variables as a ``tfd.JointDistributionNamed`` keyed by path
+        (a repeated path gets a suffix, ``_1``, ``_2``...)."""
         indices = self._bayesian_indices()
         return _diagonal.distribution(
             [tf.convert_to_tensor(self._means[i]) for i in indices],
             [self._stddev(i) for i in indices],
-            [self._trainable_variables[i].path for i in indices])
+            unique_names([self._trainable_variables[i].path for i in indices]))
 
     def kl_divergence(self):
         """KL(q || p) to the prior N(0, eta I) in closed form (float64 scalar)."""
@@ -489,17 +524,27 @@ class CurvatureConsumer:
     """
 
     _layer_specs = None
+    _joint_over_layers = False   # True: one posterior over all layers, its layer set fixed at build
     _curvature_batch = _per_thread("curvature_batch")
     _curvature_cache = _per_thread("curvature_cache")
 
     def prepare_curvature(self, layer_specs):
         """Receive the supported layers (:class:`tfnng.curvature.capture.LayerSpec`) before ``build``."""
+        layer_specs = list(layer_specs)
         if self.built and self._layer_specs is not None:
+            built_for = [spec.name for spec in self._layer_specs]
+            now = [spec.name for spec in layer_specs]
+            if self._joint_over_layers and now != built_for:
+                raise ValueError(
+                    f"{type(self).__name__} was built for the layers {built_for}, the model now "
+                    f"trains {now} (a layer was frozen, unfrozen or added). Its posterior and "
+                    "curvature state are tied to the layers it was built for: compile the model "
+                    "with a new optimizer.")
             return
         if self.built:
             raise ValueError(f"{type(self).__name__} was built before it was given its layers; "
                              "compile a tfnng.BayesianModel with it before training.")
-        self._layer_specs = list(layer_specs)
+        self._layer_specs = layer_specs
 
     def _require_layer_specs(self):
         if self._layer_specs is None:

@@ -15,8 +15,8 @@ import tensorflow as tf
 
 from tfnng import curvature as _curvature
 from tfnng.optimizers._per_example import PerExampleOptimizer, PerExampleStatistics
-from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _non_negative, _positive,
-                                   _probability)
+from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _is_integer, _non_negative,
+                                   _positive, _probability)
 
 _log = logging.getLogger("tfnng")
 
@@ -297,8 +297,8 @@ class VadaGrad(NoisyOptimizer):
         self.tau = float(tau)
         if self.tau * self.beta > 1.0:
             raise ValueError("`tau * beta` must be <= 1 so that s stays non-negative.")
-        self.hess_init = float(hess_init)
-        if self.hess_init < 0 or (self.tau == 0 and self.hess_init == 0):
+        self.hess_init = _non_negative("hess_init", hess_init)
+        if self.tau == 0 and self.hess_init == 0:
             raise ValueError("`hess_init` must be > 0 when tau = 0 (it sets the initial weight "
                              f"noise), and >= 0 otherwise; got {hess_init!r}.")
         self._slots = {"squared_grad_sum": self.hess_init}
@@ -343,6 +343,9 @@ class IVON(NoisyOptimizer):
         if ess is not None:
             if num_examples is not None or "kl_weight" in kwargs:
                 raise ValueError("Pass either `ess` or `num_examples`/`kl_weight`, not both.")
+            if not _is_integer(ess) or ess <= 0:
+                raise ValueError(f"`ess` (IVON's effective sample size, used as num_examples) must "
+                                 f"be a positive integer, got {ess!r}.")
             num_examples = ess
         if weight_decay is not None:
             if "prior_variance" in kwargs or "prior_precision" in kwargs:

@@ -5,6 +5,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
+from tfnng.optimizers.base import _positive_int
 from tfnng.posteriors import full as _full
 
 
@@ -35,7 +36,7 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, beta=beta,
                          hess_init=hess_init, extrinsic_damping=extrinsic_damping, fisher=fisher,
                          name=name, **kwargs)
-        self.max_parameters = int(max_parameters)
+        self.max_parameters = _positive_int("max_parameters", max_parameters)
 
     def _build_posterior(self, dimension, dtype):
         _full.check_parameter_count(dimension, self.max_parameters)

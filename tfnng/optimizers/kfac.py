@@ -65,6 +65,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng import curvature as _curvature
+from tfnng._names import unique_names
 from tfnng._xla import compiled_with_xla
 from tfnng.curvature import kronecker as _factors
 from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _non_negative, _positive,
@@ -79,6 +80,16 @@ _logger = logging.getLogger("tfnng")
 
 def _register(cls):
     return keras.saving.register_keras_serializable(package="tfnng")(cls)
+
+
+def _input_rank(layer):
+    """Rank of a built layer's input: from its graph node (Sequential, functional) or, in a
+    subclassed model, from the shape it was built with."""
+    try:
+        return len(layer.input.shape)
+    except (AttributeError, ValueError):
+        shape = (layer.get_build_config() or {}).get("input_shape")
+        return None if shape is None else len(shape)
 
 
 def _eye_initializer(value):
@@ -144,6 +155,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     """
 
     _noisy = True
+    _joint_over_layers = True
     _sample_statistic_names = ("grad", "weight")
 
     def __init__(self, learning_rate=1e-3, num_examples=None, stat_decay=0.01, momentum=0.0,
@@ -260,12 +272,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         """
         chains, current = [], []
         for block in self._blocks:
-            layer = block.spec.layer
-            try:
-                rank2 = len(layer.input.shape) == 2
-            except (AttributeError, ValueError):
-                rank2 = False
-            if block.spec.kind == "dense" and rank2:
+            if block.spec.kind == "dense" and _input_rank(block.spec.layer) == 2:
                 current.append(block)
             else:
                 if len(current) > 1:
@@ -657,25 +664,28 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
 
         MVG layers: a ``tfd.MultivariateNormalLinearOperator`` over the row-major flattening of the
         homogeneous weight matrix (key: the layer's path), with a Kronecker-factored scale. Diagonal
-        fallback variables: independent Normals (key: the variable's path). Block-tridiagonal
+        fallback variables: independent Normals (key: the variable's path; a repeated key gets a
+        suffix ``_1``, ``_2``...). Block-tridiagonal
         chains have no such compact form: use :meth:`layer_posterior` or samples.
         """
         self._require_built()
         if self._chains:
             raise NotImplementedError("posterior() is not available for block-tridiagonal chains.")
-        parts = {}
+        parts = []
         for block in self._blocks:
             mean = self._mean_matrix(block)
-            parts[block.spec.name] = tfd.MultivariateNormalLinearOperator(
+            parts.append(tfd.MultivariateNormalLinearOperator(
                 loc=tf.reshape(mean, [-1]),
                 scale=_kron.mvg_scale_operator(tf.convert_to_tensor(block.state["a_root"]),
                                                tf.convert_to_tensor(block.state["s_root"]),
-                                               self.noise_scale))
+                                               self.noise_scale)))
         for i in self._fallback:
             mean = tf.convert_to_tensor(self._means[i])
-            parts[self._trainable_variables[i].path] = tfd.Independent(
-                tfd.Normal(mean, self._stddev(i)), reinterpreted_batch_ndims=len(mean.shape))
-        return tfd.JointDistributionNamed(parts)
+            parts.append(tfd.Independent(tfd.Normal(mean, self._stddev(i)),
+                                         reinterpreted_batch_ndims=len(mean.shape)))
+        names = unique_names([block.spec.name for block in self._blocks]
+                             + [self._trainable_variables[i].path for i in self._fallback])
+        return tfd.JointDistributionNamed(dict(zip(names, parts)))
 
     def kl_divergence(self):
         """KL(q || p) to the prior N(0, eta I) in closed form (float64 scalar): MVG blocks (eq. 13
@@ -743,8 +753,8 @@ class KFAC(NoisyKFAC):
                     "extrinsic_damping"):
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"KFAC has no `{key}` (it is not Bayesian); use `damping`/`l2`.")
-        if float(damping) < 0 or float(l2) < 0 or float(damping) + float(l2) <= 0:
-            raise ValueError("KFAC needs `damping >= 0`, `l2 >= 0` and `damping + l2 > 0`, got "
+        if _non_negative("damping", damping) + _non_negative("l2", l2) <= 0:
+            raise ValueError("KFAC needs `damping + l2 > 0`, got "
                              f"damping={damping!r}, l2={l2!r}.")
         if kwargs.get("mc_samples", 1) != 1:
             raise ValueError("KFAC draws no weight samples: `mc_samples` must be 1.")

@@ -5,7 +5,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
-from tfnng.optimizers.base import _positive_int
+from tfnng.optimizers.base import _non_negative_int, _positive_int
 from tfnng.posteriors import low_rank as _low_rank
 
 
@@ -56,8 +56,8 @@ class SLANG(FlatPosteriorOptimizer):
         if eig_method not in _low_rank.EIG_METHODS:
             raise ValueError(f"`eig_method` must be one of {_low_rank.EIG_METHODS}, got {eig_method!r}.")
         self.eig_method = eig_method
-        self.oversampling = int(oversampling)
-        self.power_iterations = int(power_iterations)
+        self.oversampling = _non_negative_int("oversampling", oversampling)
+        self.power_iterations = _non_negative_int("power_iterations", power_iterations)
 
     def _build_posterior(self, dimension, dtype):
         if self.rank > dimension:

@@ -1,0 +1,15 @@
+"""Unique display names: Keras paths need not be unique (two layers of a subclassed model may share a
+name), and tfnng keys its records and posterior parts by name."""
+
+
+def unique_names(names):
+    """``names`` with repeats made unique by a suffix: ``["a", "a", "b"] -> ["a", "a_1", "b"]``."""
+    seen, result = set(), []
+    for name in names:
+        candidate, k = name, 0
+        while candidate in seen:
+            k += 1
+            candidate = f"{name}_{k}"
+        seen.add(candidate)
+        result.append(candidate)
+    return result
