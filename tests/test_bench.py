@@ -201,8 +201,12 @@ def test_speed_run_writes_ratios(tmp_path):
             assert row["step_time_ratio"] == row["cpu_time_ratio"] == row["state_bytes_ratio"] == 1.0
         else:  # a tfnng optimizer holds at least the posterior mean (float32)
             assert row["state_bytes"] >= 4 * row["num_parameters"]
+        timed_update = "update_cpu_ms" in row
+        assert timed_update == (row["optimizer"] not in speed.CURVATURE_OPTIMIZERS), row["optimizer"]
+        if timed_update:
+            assert row["update_cpu_ms"] > 0 and math.isfinite(row["update_cpu_ms_over_reference_step"])
         timed_inverse = "inverse_update_cpu_ms" in row
         assert timed_inverse == (row["optimizer"] in ("NoisyKFAC", "KFAC")), row["optimizer"]
         if timed_inverse:
             assert row["inverse_update_cpu_ms"] > 0 and row["inverse_every"] == 200
-    assert "K-FAC inverse update alone" in stdout
+    assert "K-FAC inverse update alone" in stdout and "The optimizer's update alone" in stdout
