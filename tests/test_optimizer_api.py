@@ -66,11 +66,16 @@ def test_fit_starts_the_posterior_at_the_initial_weights_and_hess_init(jit_compi
         np.testing.assert_allclose(optimizer._slot("hess", 0).numpy(), 0.7, rtol=1e-4)
 
 
+def noisy_adam_regression(num_examples):
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=num_examples),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    return model
+
+
 def test_use_mean_restores_the_sample_and_predict_leaves_weights_unchanged():
     x, y = regression_data()
-    model = small_net()
-    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=len(x)),
-                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    model = noisy_adam_regression(len(x))
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     kernel = model.layers[0].kernel
     before = kernel.numpy()
@@ -84,9 +89,7 @@ def test_use_mean_restores_the_sample_and_predict_leaves_weights_unchanged():
 def test_predict_keeps_frozen_variables_fixed_and_restores_every_variable():
     """Variables frozen after training keep their values during and after tfnng.predict."""
     x, y = regression_data()
-    model = small_net()
-    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=len(x)),
-                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    model = noisy_adam_regression(len(x))
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     before = [v.numpy() for v in model.variables]
     model.trainable = False
@@ -103,9 +106,7 @@ def test_predict_keeps_frozen_variables_fixed_and_restores_every_variable():
 
 def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
     x, y = regression_data(n=16)
-    model = small_net()
-    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=len(x)),
-                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    model = noisy_adam_regression(len(x))
     with pytest.raises(ValueError, match="no posterior yet"):       # not one silent deterministic draw
         tfnng.predict(model, x, num_samples=10)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
