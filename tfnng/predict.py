@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfnng import metrics as _metrics
 from tfnng.models import unwrap_optimizer
-from tfnng.optimizers.base import NoisyOptimizer
+from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 
 
 @dataclasses.dataclass
@@ -76,17 +76,16 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
         A :class:`Predictive`.
     """
     likelihood = _likelihood_of(model, likelihood)
-    if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
-        raise ValueError(f"`num_samples` must be an integer >= 1, got {num_samples!r}.")
+    num_samples = _positive_int("num_samples", num_samples)
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     bayesian = isinstance(optimizer, NoisyOptimizer)
     if bayesian and not optimizer.built:
         raise ValueError(
             f"{type(optimizer).__name__} has no posterior yet: train the model (or restore a "
             "checkpoint that includes the optimizer) before calling tfnng.predict.")
-    num_samples = int(num_samples) if bayesian else 1
+    num_samples = num_samples if bayesian else 1
     x = _inputs(x)
-    batch_size = _batch_size(batch_size, x.shape[0])
+    batch_size = x.shape[0] if batch_size is None else _positive_int("batch_size", batch_size)
     forward = tf.function(lambda xb: model(xb, training=False), reduce_retracing=True)
     # Python-only control flow: no autograph (which would re-read the optimizer's source).
     draw = tf.function(optimizer.sample_weights, autograph=False) if bayesian else None
@@ -128,14 +127,6 @@ def _inputs(x):
     if x.shape.rank == 0 or x.shape[0] == 0:
         raise ValueError(f"tfnng.predict needs at least one input example, got shape {tuple(x.shape)}.")
     return x
-
-
-def _batch_size(batch_size, num_inputs):
-    if batch_size is None:
-        return num_inputs
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-        raise ValueError(f"`batch_size` must be None or an integer >= 1, got {batch_size!r}.")
-    return int(batch_size)
 
 
 def _per_weight_sample(fn, outputs):
