@@ -665,8 +665,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         MVG layers: a ``tfd.MultivariateNormalLinearOperator`` over the row-major flattening of the
         homogeneous weight matrix (key: the layer's path), with a Kronecker-factored scale. Diagonal
         fallback variables: independent Normals (key: the variable's path; a repeated key gets a
-        suffix ``_1``, ``_2``...). Block-tridiagonal
-        chains have no such compact form: use :meth:`layer_posterior` or samples.
+        suffix ``_1``, ``_2``...). Block-tridiagonal chains have no such compact form: use
+        :meth:`layer_posterior` or samples.
         """
         self._require_built()
         if self._chains:
