@@ -141,33 +141,32 @@ def _ms_per_step(model, dataset, steps):
             history.history["loss"][-1])
 
 
-def _inverse_update_cpu_ms(optimizer, repeats=3):
-    """Process CPU milliseconds of one K-FAC inverse update alone (eq. 13: one eigendecomposition per
-    Kronecker factor and the cached inverses), median of ``repeats`` calls after a tracing call."""
-    update = tf.function(optimizer._update_inverses)
-    update()
-    times = []
-    for _ in range(repeats):
-        cpu = time.process_time()
-        update()
-        times.append(1000.0 * (time.process_time() - cpu))
-    return statistics.median(times)
-
-
-def _update_cpu_ms(optimizer, variables, calls=50, repeats=3):
-    """Process CPU milliseconds of the optimizer's own update alone: ``apply_gradients`` with fixed
-    gradients, no forward/backward pass (median of ``repeats`` x ``calls`` after a tracing call).
-    For the optimizers that need no curvature statistics; it moves their state on."""
-    grads = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
-    apply = tf.function(lambda: optimizer.apply_gradients(zip(grads, variables)))
-    apply()
+def _cpu_ms_per_call(fn, calls=1, repeats=3):
+    """Process CPU milliseconds per call of the ``tf.function`` ``fn``: median over ``repeats`` runs
+    of ``calls`` calls, after a tracing call."""
+    fn()
     times = []
     for _ in range(repeats):
         cpu = time.process_time()
         for _ in range(calls):
-            apply()
+            fn()
         times.append(1000.0 * (time.process_time() - cpu) / calls)
     return statistics.median(times)
+
+
+def _inverse_update_cpu_ms(optimizer):
+    """Process CPU milliseconds of one K-FAC inverse update alone (eq. 13: one eigendecomposition per
+    Kronecker factor and the cached inverses)."""
+    return _cpu_ms_per_call(tf.function(optimizer._update_inverses))
+
+
+def _update_cpu_ms(optimizer, variables):
+    """Process CPU milliseconds of the optimizer's own update alone: ``apply_gradients`` with fixed
+    gradients, no forward/backward pass. For the optimizers that need no curvature statistics; it
+    moves their state on."""
+    grads = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
+    return _cpu_ms_per_call(tf.function(lambda: optimizer.apply_gradients(zip(grads, variables))),
+                            calls=50)
 
 
 def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_steps=200, jit_compile=False,
