@@ -24,6 +24,7 @@ the Keras convention (mean negative log-likelihood of the batch); the optimizers
 
 import contextlib
 import logging
+import math
 import threading
 
 import keras
@@ -35,24 +36,27 @@ from tfnng._xla import compiled_with_xla
 from tfnng.posteriors import diagonal as _diagonal
 
 
-def _positive(name, value):
+def _finite_float(value):
+    """``float(value)`` if it is a finite number, else None (strings, None, nan, inf)."""
     try:
-        ok = float(value) > 0 and float(value) != float("inf")
+        value = float(value)
     except (TypeError, ValueError):
-        ok = False
-    if not ok:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _positive(name, value):
+    number = _finite_float(value)
+    if number is None or number <= 0:
         raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-    return float(value)
+    return number
 
 
 def _non_negative(name, value):
-    try:
-        ok = 0 <= float(value) < float("inf")
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+    number = _finite_float(value)
+    if number is None or number < 0:
         raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
-    return float(value)
+    return number
 
 
 def _is_integer(value):
