@@ -79,10 +79,8 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     num_samples = _positive_int("num_samples", num_samples)
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     bayesian = isinstance(optimizer, NoisyOptimizer)
-    if bayesian and not optimizer.built:
-        raise ValueError(
-            f"{type(optimizer).__name__} has no posterior yet: train the model (or restore a "
-            "checkpoint that includes the optimizer) before calling tfnng.predict.")
+    if bayesian:
+        optimizer._require_built()          # never trained: an error, not one deterministic draw
     num_samples = num_samples if bayesian else 1
     x = _inputs(x)
     batch_size = x.shape[0] if batch_size is None else _positive_int("batch_size", batch_size)

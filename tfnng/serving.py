@@ -184,8 +184,6 @@ def _exportable_optimizer(model):
             f"tfnng.serving cannot export the posterior of {type(optimizer).__name__}: only the "
             "diagonal family (NoisyAdam, Vadam, Vprop, VadaGrad, IVON, VOGN, ...), the noisy K-FAC "
             "family (NoisyKFAC, KFAC), SLANG and NoisyNaturalGradient have an in-graph sampler.")
-    if not optimizer.built:
-        raise ValueError(f"{type(optimizer).__name__} has no posterior yet: train the model first.")
     optimizer._require_built()      # also copies the model's weights into never-updated means
     return optimizer
 
