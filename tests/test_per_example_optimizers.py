@@ -78,6 +78,24 @@ def loop_gradients(net, loss, x, y, variable):
     return gradients
 
 
+def vogn_after_one_batch(net, loss, x, y):
+    """An empirical-Fisher VOGN built for ``net`` that has received the curvature of one batch."""
+    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
+    capture = LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    optimizer.receive_curvature(curvature)
+    return optimizer
+
+
+def assert_squared_gradient_means_match_the_loop(optimizer, net, loss, x, y):
+    for i, variable in enumerate(net.trainable_variables):
+        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
+                                   np.mean(np.square(loop_gradients(net, loss, x, y, variable)), 0),
+                                   rtol=1e-9, atol=1e-12)
+
+
 def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     """Every variable's per-example gradient, as the optimizer sees it, equals a loop over examples
     of grad log p(y_i | x_i) — Conv2D/Dense by the fast path, LayerNormalization and a custom layer by
@@ -85,14 +103,9 @@ def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     the gradient operator (Dense rows never formed) equal those of the dense (D, B) matrix."""
     net = mixed_net()
     loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
-    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
-    capture = LayerCapture(net)
-    optimizer.prepare_curvature(capture.specs)
-    optimizer.build(net.trainable_variables)
     rng = np.random.default_rng(1)
     x, y = tf.constant(rng.normal(size=(4, 6, 5, 2))), tf.constant(rng.normal(size=(4, 2)))
-    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
-    optimizer.receive_curvature(curvature)
+    optimizer = vogn_after_one_batch(net, loss, x, y)
     fast = {i for i in range(len(net.trainable_variables)) if i in optimizer._fast_sources}
     kinds = (keras.layers.Conv2D, keras.layers.Dense)
     expected_fast = {id(v) for layer in net.layers if isinstance(layer, kinds)
@@ -139,21 +152,13 @@ def test_repeated_variable_paths_keep_each_variable_its_own_statistics_and_poste
     variables = net.trainable_variables
     assert len({v.path for v in variables}) < len(variables) == 8
     loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
-    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
-    capture = LayerCapture(net)
-    optimizer.prepare_curvature(capture.specs)
-    optimizer.build(variables)
     rng = np.random.default_rng(2)
     x, y = tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(5, 2)))
-    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
-    optimizer.receive_curvature(curvature)
-    for i, variable in enumerate(variables):
-        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
-                                   np.mean(np.square(loop_gradients(net, loss, x, y, variable)), 0),
-                                   rtol=1e-9, atol=1e-12)
+    optimizer = vogn_after_one_batch(net, loss, x, y)
+    assert_squared_gradient_means_match_the_loop(optimizer, net, loss, x, y)
     assert len(optimizer.posterior().model) == len(variables)        # no part dropped
     kfac = tfnng.optimizers.NoisyKFAC(num_examples=10)
-    kfac.prepare_curvature(capture.specs)
+    kfac.prepare_curvature(LayerCapture(net).specs)
     kfac.build(variables)
     assert len(kfac.posterior().model) == 2 + 4         # two MVG layers, four diagonal LN variables
 
@@ -181,19 +186,10 @@ def test_tied_weights_take_the_generic_path():
     hidden = encoder(inputs)
     net = keras.Model(inputs, TiedDecoder(encoder.kernel, dtype=F64)(hidden))
     loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
-    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
-    capture = LayerCapture(net)
-    assert capture.specs == []
-    optimizer.prepare_curvature(capture.specs)
-    optimizer.build(net.trainable_variables)
+    assert LayerCapture(net).specs == []
     rng = np.random.default_rng(3)
     x, y = tf.constant(rng.normal(size=(5, 4))), tf.constant(rng.normal(size=(5, 4)))
-    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
-    optimizer.receive_curvature(curvature)
-    for i, variable in enumerate(net.trainable_variables):
-        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
-                                   np.mean(np.square(loop_gradients(net, loss, x, y, variable)), 0),
-                                   rtol=1e-9, atol=1e-12)
+    assert_squared_gradient_means_match_the_loop(vogn_after_one_batch(net, loss, x, y), net, loss, x, y)
 
 
 # ------------------------------------------------------------------- NumPy references, fixed noise
