@@ -104,6 +104,27 @@ def test_predict_keeps_frozen_variables_fixed_and_restores_every_variable():
         np.testing.assert_array_equal(variable.numpy(), value)
 
 
+def test_predict_traces_once_draws_anew_each_call_and_keeps_nothing_alive():
+    """Repeated calls reuse one trace of the forward pass and of the draw, yet sample fresh weights;
+    the traces hold neither model nor optimizer."""
+    import gc
+    import weakref
+    from tfnng.predict import _FORWARD_PASSES, _POSTERIOR_DRAWS
+
+    x, y = regression_data(n=32)
+    model = noisy_adam_regression(len(x))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    first = tfnng.predict(model, x, num_samples=3).outputs
+    second = tfnng.predict(model, x, num_samples=3).outputs
+    assert not np.allclose(first, second)                                  # fresh weight samples
+    assert _FORWARD_PASSES[model].experimental_get_tracing_count() == 1
+    assert _POSTERIOR_DRAWS[model.optimizer].experimental_get_tracing_count() == 1
+    alive = weakref.ref(model), weakref.ref(model.optimizer)
+    del model
+    gc.collect()
+    assert alive[0]() is None and alive[1]() is None
+
+
 def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
     x, y = regression_data(n=16)
     model = noisy_adam_regression(len(x))

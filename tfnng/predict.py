@@ -7,6 +7,7 @@ samples of the likelihood's variance).
 """
 
 import dataclasses
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -62,7 +63,8 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     (a tfnng optimizer) and used for all of ``x``. A model compiled with a plain Keras optimizer (a
     point estimate) gives one deterministic sample. Variables the model no longer trains (frozen with
     ``trainable = False`` after training) keep their values, as in :mod:`tfnng.serving`. The model's
-    variables are restored afterwards, so training can continue.
+    variables are restored afterwards, so training can continue. The forward pass and the draw are
+    traced once per model and optimizer and reused by later calls.
 
     Args:
         model: a built Keras model compiled with a tfnng optimizer (or any optimizer, see above).
@@ -84,9 +86,8 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     num_samples = num_samples if bayesian else 1
     x = _inputs(x)
     batch_size = x.shape[0] if batch_size is None else _positive_int("batch_size", batch_size)
-    forward = tf.function(lambda xb: model(xb, training=False), reduce_retracing=True)
-    # Python-only control flow: no autograph (which would re-read the optimizer's source).
-    draw = tf.function(optimizer.sample_weights, autograph=False) if bayesian else None
+    forward = _traced_forward(model)
+    draw = _traced_draw(optimizer) if bayesian else None
 
     # Every variable a draw writes, and those of them the model no longer trains (kept fixed).
     written = list(optimizer._trainable_variables) if bayesian else []
@@ -109,6 +110,31 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
             variable.assign(value)
     outputs = np.stack(outputs)
     return _summarise(outputs, likelihood, return_samples)
+
+
+# Traced functions kept across calls (a trace costs more than a small prediction), one per model and
+# one per optimizer. They hold their owner only by weak reference, so the caches free nothing early
+# and keep nothing alive.
+_FORWARD_PASSES = weakref.WeakKeyDictionary()
+_POSTERIOR_DRAWS = weakref.WeakKeyDictionary()
+
+
+def _traced_forward(model):
+    """The model's inference-mode forward pass as a ``tf.function``, traced once per input signature."""
+    if model not in _FORWARD_PASSES:
+        owner = weakref.ref(model)
+        _FORWARD_PASSES[model] = tf.function(lambda xb: owner()(xb, training=False),
+                                             reduce_retracing=True)
+    return _FORWARD_PASSES[model]
+
+
+def _traced_draw(optimizer):
+    """``optimizer.sample_weights`` as a ``tf.function`` (its seed is a variable: each call draws anew)."""
+    if optimizer not in _POSTERIOR_DRAWS:
+        owner = weakref.ref(optimizer)
+        # Python-only control flow: no autograph (which would re-read the optimizer's source).
+        _POSTERIOR_DRAWS[optimizer] = tf.function(lambda: owner().sample_weights(), autograph=False)
+    return _POSTERIOR_DRAWS[optimizer]
 
 
 def _inputs(x):
