@@ -185,6 +185,26 @@ def test_cnn_factors_equal_brute_force_kfc(case):
     np.testing.assert_allclose(factors["conv"][1], s_bf, rtol=1e-12, atol=1e-14)
 
 
+def test_channels_first_conv_rows_equal_the_channels_last_rows_of_the_transposed_tensors():
+    """A channels-first Conv2D (NCHW; TensorFlow runs it on GPUs only, so no forward pass here) gives
+    the rows, hence the factors and per-example gradients, of the same layer on NHWC tensors."""
+    rng = np.random.default_rng(5)
+    specs = []
+    for data_format, shape in (("channels_first", (None, 2, 6, 5)), ("channels_last", (None, 6, 5, 2))):
+        layer = keras.layers.Conv2D(3, (3, 2), strides=(2, 1), padding="same", dtype="float64",
+                                    data_format=data_format)
+        layer.build(shape)
+        specs.append(cap.LayerSpec(layer, cap.CONV2D, layer.kernel, layer.bias, data_format))
+    x_nhwc, g_nhwc = rng.normal(size=(4, 6, 5, 2)), rng.normal(size=(4, 3, 5, 3))
+    x_nchw, g_nchw = x_nhwc.transpose(0, 3, 1, 2), g_nhwc.transpose(0, 3, 1, 2)
+    first, last = specs
+    np.testing.assert_array_equal(kfac_factors.activation_rows(first, x_nchw),
+                                  kfac_factors.activation_rows(last, x_nhwc))
+    np.testing.assert_array_equal(kfac_factors.gradient_rows(first, g_nchw),
+                                  kfac_factors.gradient_rows(last, g_nhwc))
+    assert kfac_factors.gradient_rows(last, g_nhwc).shape == (4, 15, 3)
+
+
 def test_dense_on_sequences_treats_extra_axes_as_positions():
     """Dense on (B, T, c) shares weights across T like a 1x1 convolution: the KFC formulas."""
     keras.utils.set_random_seed(3)
