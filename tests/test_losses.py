@@ -166,6 +166,31 @@ def test_bernoulli_log_prob_matches_scipy():
     assert loss.distribution(logits).batch_shape == (7,)
 
 
+def test_labels_out_of_range_raise_eagerly_in_graphs_and_in_fit():
+    """Non-integral or out-of-range class ids, NaN labels and Bernoulli targets outside [0, 1] are
+    errors (they used to be truncated, gathered out of range or given a meaningless density)."""
+    logits = RNG.normal(size=(3, 4)).astype(np.float32)
+    graph_log_prob = tf.function(lambda y, out: CategoricalNLL().log_prob(y, out))
+    for labels, message in (([0.0, 1.5, 2.0], "integral"), ([0.0, np.nan, 2.0], "integral"),
+                            ([0, 4, 1], r"\[0, K\)"), ([0, -1, 1], r"\[0, K\)")):
+        for log_prob in (CategoricalNLL().log_prob, graph_log_prob):
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                log_prob(np.asarray(labels), logits)
+    logit = RNG.normal(size=(3, 1)).astype(np.float32)
+    for targets in ([0.0, 2.0, 1.0], [0.0, -1.0, 1.0], [np.nan, 0.0, 1.0]):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"\[0, 1\]"):
+            BernoulliNLL().log_prob(np.asarray(targets, np.float32), logit)
+    soft = np.array([0.3, 1.0, 0.0], np.float32)          # a probability target: the cross-entropy
+    expected = soft * special.log_expit(logit[:, 0]) + (1 - soft) * special.log_expit(-logit[:, 0])
+    np.testing.assert_allclose(BernoulliNLL().log_prob(soft, logit), expected, rtol=1e-5)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=CategoricalNLL())
+    x = np.zeros((4, 2), np.float32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"\[0, K\)"):
+        model.fit(x, np.array([0, 1, 2, 3]), epochs=1, verbose=0)
+
+
 # ------------------------------------------------------------------------------------------ sample
 
 

@@ -33,6 +33,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_probability as tfp
 
+from tfnng._xla import compiled_with_xla
+
 tfd = tfp.distributions
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -223,12 +225,27 @@ class GaussianNLL(LikelihoodLoss):
         return config
 
 
+def _checked(labels, valid, message):
+    """``labels``, after raising ``InvalidArgumentError`` with ``message`` unless all of ``valid`` holds.
+
+    Eagerly and in graphs, where what uses the returned labels runs after the check. XLA
+    (``jit_compile=True``) has no run-time assertions: there the check is left out, and an
+    out-of-range class id is clamped by the gather.
+    """
+    if compiled_with_xla():
+        return labels
+    with tf.control_dependencies([tf.debugging.assert_equal(tf.reduce_all(valid), True,
+                                                            message=message)]):
+        return tf.identity(labels)
+
+
 @keras.saving.register_keras_serializable(package="tfnng")
 class CategoricalNLL(LikelihoodLoss):
     """Categorical likelihood on logits: -log softmax(y_pred)[y].
 
     ``y_pred``: logits ``(batch, K)``. ``y_true`` is detected from its static shape: rank 1
-    ``(batch,)`` or ``(batch, 1)`` -> integer class ids (given as ints or integral floats); rank 2
+    ``(batch,)`` or ``(batch, 1)`` -> integer class ids in [0, K) (ints or integral floats; other
+    values raise ``InvalidArgumentError``, except under XLA, which has no run-time checks); rank 2
     ``(batch, K)`` with ``K > 1`` -> one-hot (or soft) label vectors, for which
     log p = sum_k y_k log softmax(y_pred)_k.
     """
@@ -244,7 +261,14 @@ class CategoricalNLL(LikelihoodLoss):
             y_true = tf.squeeze(y_true, axis=-1)
             rank = 1
         if rank == 1:
-            return "ids", tf.cast(y_true, tf.int32)
+            if y_true.dtype.is_floating:
+                y_true = _checked(y_true, tf.equal(y_true, tf.round(y_true)),
+                                  "CategoricalNLL: class ids given as floats must be integral (soft "
+                                  "labels are (batch, K) probability vectors).")
+            ids = tf.cast(y_true, tf.int32)
+            return "ids", _checked(
+                ids, (ids >= 0) & (ids < tf.shape(logits)[-1]),
+                f"CategoricalNLL: class ids must lie in [0, K), K = {num_classes} classes.")
         if rank == 2 and y_true.shape[-1] == num_classes and num_classes is not None:
             return "probs", tf.cast(y_true, logits.dtype)
         raise ValueError(
@@ -287,7 +311,8 @@ class CategoricalNLL(LikelihoodLoss):
 class BernoulliNLL(LikelihoodLoss):
     """Bernoulli likelihood on a logit: log p(y) = y * l - softplus(l).
 
-    ``y_pred``: logits ``(batch, 1)``; ``y_true`` in {0, 1}, shape ``(batch,)`` or ``(batch, 1)``.
+    ``y_pred``: logits ``(batch, 1)``; ``y_true`` in {0, 1} (or a probability in [0, 1], giving the
+    cross-entropy), shape ``(batch,)`` or ``(batch, 1)``.
     Samples have shape ``(batch, 1)`` (int32). ``probabilities`` returns ``(batch, 1)``: the
     probability of class 1 (``tfnng.metrics`` treats an ``(N, 1)`` array as two classes).
     """
@@ -314,6 +339,8 @@ class BernoulliNLL(LikelihoodLoss):
                 "BernoulliNLL: y_true must have shape (batch,) or (batch, 1); "
                 f"got {tuple(y_true.shape)}."
             )
+        y_true = _checked(y_true, (y_true >= 0) & (y_true <= 1),
+                          "BernoulliNLL: y_true must lie in [0, 1] (labels 0 and 1, or probabilities).")
         ce = tf.nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=logits)
         return -tf.squeeze(ce, axis=-1)
 
