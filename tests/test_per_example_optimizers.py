@@ -34,7 +34,7 @@ def linear_net():
                                                 dtype=F64)])
 
 
-def make_step(net, optimizer, loss, seed=0, compiled=True):
+def make_step(net, optimizer, loss, seed=0, compiled=True, input_signature=None):
     """A hand-written training step (the tape-loop form of BayesianModel.train_step)."""
     capture = LayerCapture(net)
     optimizer.prepare_curvature(capture.specs)
@@ -46,7 +46,7 @@ def make_step(net, optimizer, loss, seed=0, compiled=True):
                                                          seed=generator)
         optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
 
-    return tf.function(step) if compiled else step
+    return tf.function(step, input_signature=input_signature) if compiled else step
 
 
 # ------------------------------------------------------------------ per-example gradients, both paths
@@ -418,6 +418,34 @@ def test_fit_predict_with_layers_without_fast_path(make):
     assert np.all(np.isfinite(prediction.mean))
     restored = type(optimizer).from_config(optimizer.get_config())
     assert restored.get_config() == optimizer.get_config()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tfnng.optimizers.SLANG(1e-2, num_examples=40, rank=3, seed=1),
+    lambda: tfnng.optimizers.NoisyNaturalGradient(1e-2, num_examples=40, seed=1),
+    lambda: tfnng.optimizers.VOGN(1e-2, num_examples=40, seed=1)], ids=["slang", "nng_full", "vogn"])
+def test_a_step_traced_for_an_unknown_batch_size_is_the_step_for_the_known_one(make):
+    """Keras traces the step with an unknown batch size for a last partial batch or a tf.data
+    pipeline: the update must not depend on it (SLANG and NNG-full used to fail there)."""
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
+    rng = np.random.default_rng(2)
+    x, y = tf.constant(rng.normal(size=(5, 6, 5, 2))), tf.constant(rng.normal(size=(5, 2)))
+    unknown = [tf.TensorSpec([None, 6, 5, 2], F64), tf.TensorSpec([None, 2], F64)]
+    states = []
+    for signature in (None, unknown):
+        keras.utils.set_random_seed(0)
+        net, optimizer = mixed_net(), make()
+        make_step(net, optimizer, loss, input_signature=signature)(x, y)
+        states.append([v.numpy() for v in optimizer.variables])
+    for known, dynamic in zip(*states):
+        np.testing.assert_allclose(dynamic, known, rtol=1e-9, atol=1e-12)
+
+    net = mixed_net()                                       # and model.fit with 40 = 3 x 12 + 4
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=make(), loss=loss)
+    x, y = rng.normal(size=(40, 6, 5, 2)), rng.normal(size=(40, 2))
+    history = model.fit(x, y, batch_size=12, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
 
 
 def test_bad_arguments_raise_clear_errors():

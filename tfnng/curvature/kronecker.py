@@ -39,6 +39,15 @@ def _to_channels_last(layer, tensor):
     return tensor
 
 
+def _positions_rows(tensor, width):
+    """``tensor`` ``(B, ..., width)`` as ``(B, |T|, width)``, with ``|T|`` static whenever the
+    non-batch shape is (a step traced for an unknown batch size still knows its positions)."""
+    positions = tensor.shape[1:-1].num_elements()
+    if positions is None:
+        return tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
+    return tf.reshape(tensor, [-1, positions, width])
+
+
 def activation_rows(spec, inputs):
     """Homogeneous input vectors per example and position, shape ``(B, |T|, p)``.
 
@@ -47,7 +56,6 @@ def activation_rows(spec, inputs):
     """
     layer = spec.layer
     inputs = tf.convert_to_tensor(inputs)
-    batch = tf.shape(inputs)[0]
     if spec.kind == CONV2D:
         x = _to_channels_last(layer, inputs)
         kh, kw = layer.kernel_size
@@ -56,9 +64,9 @@ def activation_rows(spec, inputs):
         patches = tf.image.extract_patches(
             x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1],
             padding=layer.padding.upper())
-        rows = tf.reshape(patches, [batch, -1, kh * kw * x.shape[-1]])
+        rows = _positions_rows(patches, kh * kw * x.shape[-1])
     else:
-        rows = tf.reshape(inputs, [batch, -1, inputs.shape[-1]])
+        rows = _positions_rows(inputs, inputs.shape[-1])
     rows = tf.cast(rows, spec.kernel.dtype)
     if spec.has_bias:
         rows = tf.concat([rows, tf.ones_like(rows[..., :1])], axis=-1)
@@ -70,8 +78,7 @@ def gradient_rows(spec, preactivation_grads):
     g = tf.convert_to_tensor(preactivation_grads)
     if spec.kind == CONV2D:
         g = _to_channels_last(spec.layer, g)
-    batch = tf.shape(g)[0]
-    return tf.cast(tf.reshape(g, [batch, -1, g.shape[-1]]), spec.kernel.dtype)
+    return tf.cast(_positions_rows(g, g.shape[-1]), spec.kernel.dtype)
 
 
 def factors(spec, inputs, preactivation_grads):

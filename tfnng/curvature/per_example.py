@@ -107,9 +107,14 @@ def squared_gradient_sums(per_example):
     return [tf.reduce_sum(tf.square(g), axis=0) for g in per_example]
 
 
+def _example_rows(tensor):
+    """``(B, *shape)`` as ``(B, prod(shape))``, the width static even when the batch size is not."""
+    return tf.reshape(tensor, [-1, tensor.shape[1:].num_elements()])
+
+
 def flatten(per_example):
     """Concatenate per-variable ``(B, *shape)`` gradients into one ``(B, D)`` matrix (rows g_i^T)."""
-    return tf.concat([tf.reshape(g, [tf.shape(g)[0], -1]) for g in per_example], axis=1)
+    return tf.concat([_example_rows(g) for g in per_example], axis=1)
 
 
 def gradients_from_rows(activation_rows, gradient_rows):
@@ -303,10 +308,9 @@ def layer_block(spec, captured, dtype):
         return _OuterProductBlock(spec, a[:, 0], ds[:, 0])
     kernel, bias = _split_homogeneous(spec, gradients_from_rows(a, ds), [tf.shape(a)[0]])
     rows = {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
-    return _MaterialisedBlock({part: tf.reshape(g, [tf.shape(g)[0], -1]) for part, g in rows.items()})
+    return _MaterialisedBlock({part: _example_rows(g) for part, g in rows.items()})
 
 
 def variable_block(gradients, dtype):
     """The :class:`ExampleGradients` block (part None) of one variable's ``(B, *shape)`` gradients."""
-    gradients = tf.cast(gradients, dtype)
-    return _MaterialisedBlock({None: tf.reshape(gradients, [tf.shape(gradients)[0], -1])})
+    return _MaterialisedBlock({None: _example_rows(tf.cast(gradients, dtype))})

@@ -144,12 +144,15 @@ def _top_eigenpairs(factors, rank, oversampling, power_iterations, seed, method,
         return _randomized_eig(factors, rank, sketch_size, power_iterations, seed, power)
 
     if method == "exact" or (static_count is not None and static_count <= sketch_size):
-        return exact()
-    if method == "randomized":
-        return randomized()
-    if static_count is not None:
-        return exact() if static_count <= EXACT_MAX_COLUMNS else randomized()
-    return tf.cond(count <= EXACT_MAX_COLUMNS, exact, randomized)
+        values, vectors = exact()
+    elif method == "randomized":
+        values, vectors = randomized()
+    elif static_count is not None:
+        values, vectors = exact() if static_count <= EXACT_MAX_COLUMNS else randomized()
+    else:
+        values, vectors = tf.cond(count <= EXACT_MAX_COLUMNS, exact, randomized)
+    # Static shapes for the callers, also in a step traced for an unknown batch size.
+    return tf.ensure_shape(values, [rank]), tf.ensure_shape(vectors, [dim, rank])
 
 
 def _exact_eig(factors, rank, power):
