@@ -187,6 +187,41 @@ def test_keras_file_and_tf_checkpoint_round_trips(make_optimizer, loss_name, tmp
     assert_round_trip(model, [from_file, from_checkpoint], x, y)
 
 
+def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_path):
+    """Keras matches optimizer variables by count and, on a mismatch, only warns and skips them:
+    the posterior would restart from the weight sample. tfnng raises instead (optimizer not built
+    before ``load_weights``; a layer frozen, or a variable marked, outside what was saved), and a
+    model saved before its first step resumes exactly (counters and noise generator restored)."""
+    make = lambda n: opt.NoisyAdam(1e-2, num_examples=n, seed=1)
+    model, x, y = trained(make, "gaussian_fixed")
+    model.save_weights(tmp_path / "m.weights.h5")
+    fresh = build_model(make(len(x)), "gaussian_fixed", len(x))
+    with pytest.raises(ValueError, match=r"not built yet.*model.optimizer.build"):
+        fresh.load_weights(tmp_path / "m.weights.h5")
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(tmp_path / "m.weights.h5")
+    assert_same_state(model, fresh)
+
+    marked = build_model(make(len(x)), "gaussian_fixed", len(x))
+    tfnng.mark_point_estimate(marked.layers[-1].bias)           # not in a layer's build: not saved
+    train(marked, x, y)
+    marked.save(tmp_path / "marked.keras")
+    with pytest.raises(ValueError, match="mark_point_estimate"):
+        keras.models.load_model(tmp_path / "marked.keras")
+
+    model.layers[0].trainable = False                            # frozen after the optimizer's build
+    model.save(tmp_path / "frozen.keras")
+    with pytest.raises(ValueError, match="made trainable before saving"):
+        keras.models.load_model(tmp_path / "frozen.keras")
+
+    untrained = build_model(make(len(x)), "gaussian_fixed", len(x))
+    untrained.save(tmp_path / "untrained.keras")
+    loaded = keras.models.load_model(tmp_path / "untrained.keras")
+    for each in (untrained, loaded):
+        train(each, x, y)
+    assert_same_state(untrained, loaded)
+
+
 def test_the_compared_state_covers_curvature_inverses_counters_and_rng():
     """What the round trips compare (optimizer.variables) holds every piece of state named in the
     issue, including a Monte Carlo group left half accumulated."""

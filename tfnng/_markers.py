@@ -22,7 +22,11 @@ _NATURAL_STEP_ATTR = "_tfnng_natural_step"
 
 
 def mark_point_estimate(variable):
-    """Mark ``variable`` to be point-estimated (no weight noise, no prior) by tfnng optimizers."""
+    """Mark ``variable`` to be point-estimated (no weight noise, no prior) by tfnng optimizers.
+
+    The mark is a Python attribute of the variable, not saved with the model: mark in the layer's
+    ``build`` so that a model rebuilt by ``keras.models.load_model`` has it again.
+    """
     setattr(variable, _POINT_ESTIMATE_ATTR, True)
     return variable
 

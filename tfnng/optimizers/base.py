@@ -199,6 +199,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         self.nonfinite = nonfinite
         self._seed_generator = keras.random.SeedGenerator(seed, name="weight_noise_seed")
         self._track_variable(self._seed_generator.state)
+        self._unbuilt_variable_count = len(self.variables)      # state saved before any posterior
 
     # ----------------------------------------------------------------------------- hyper-parameters
     @property
@@ -501,6 +502,33 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         finally:
             for i, value in zip(indices, saved):
                 self._trainable_variables[i].assign(value)
+
+    def load_own_variables(self, store):
+        """Restore the state Keras saved (``model.save``, ``save_weights``, checkpoints callbacks).
+
+        Keras matches optimizer variables by count alone and, on a mismatch, warns and skips them
+        all. Here a saved posterior that does not fit raises instead: skipped, the model would keep
+        one weight sample and a posterior restarted from it, silently.
+        """
+        saved = len(store.keys())
+        if saved != len(self.variables) and saved > self._unbuilt_variable_count:
+            raise ValueError(
+                f"{type(self).__name__}: the saved optimizer state has {saved} variables, this "
+                f"optimizer has {len(self.variables)}"
+                f"{' (it is not built yet)' if not self.built else ''}, so the saved posterior "
+                "cannot be restored. If the optimizer is not built yet (e.g. `load_weights` into a "
+                "fresh model), call `model.optimizer.build(model.trainable_variables)` first. If "
+                "the model trains other variables than when it was saved: layers frozen "
+                "(`trainable = False`) after the optimizer was built must be made trainable before "
+                "saving, and variables marked with `tfnng.mark_point_estimate` outside a layer's "
+                "`build` lose the mark on loading (mark them in `build`, as "
+                "`tfnng.layers.NoisePrecision` does).")
+        if saved == self._unbuilt_variable_count < len(self.variables):
+            # Saved before its first step; built since: the variables made by __init__ come first.
+            for i in range(saved):
+                self.variables[i].assign(store[str(i)])
+            return
+        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()
