@@ -111,6 +111,9 @@ def test_reliability_diagram_data_by_hand():
         ([0, 1], [[0.5, 0.6], [0.2, 0.8]], "sum to 1"),
         ([0, 1], [[0.5, np.nan], [0.2, 0.8]], "NaN"),
         ([0, 1], [0.5, 0.2], r"\(N, K\)"),
+        ([[0, 0, 0], [0, 1, 0]], [[0.5, 0.3, 0.2], [0.2, 0.7, 0.1]], "single 1"),
+        ([[1, 1, 0], [0, 1, 0]], [[0.5, 0.3, 0.2], [0.2, 0.7, 0.1]], "single 1"),
+        ([[0.5, 0.5, 0], [0, 1, 0]], [[0.5, 0.3, 0.2], [0.2, 0.7, 0.1]], "single 1"),
     ],
 )
 def test_classification_metrics_reject_bad_inputs(labels, probs, match):
@@ -118,6 +121,19 @@ def test_classification_metrics_reject_bad_inputs(labels, probs, match):
         metrics.expected_calibration_error(labels, probs)
     with pytest.raises(ValueError, match=match):
         metrics.accuracy(labels, probs)
+
+
+def test_a_confidence_on_a_bin_edge_falls_in_the_bin_it_closes():
+    """Bins are ((m-1)/M, m/M]: a confidence of exactly k/M belongs to bin k (1-based), for every
+    M and k (``np.linspace`` edges lie an ulp below k/M for some, e.g. 5/7, 5/6)."""
+    for num_bins in range(1, 51):
+        for k in range(1, num_bins + 1):
+            confidence = k / num_bins
+            if confidence < 0.5:                      # the max of two probabilities is >= 1/2
+                continue
+            diagram = metrics.reliability_diagram_data([0], [[1.0 - confidence, confidence]],
+                                                       num_bins=num_bins)
+            assert diagram.counts[k - 1] == 1, (num_bins, k)
 
 
 def test_num_bins_must_be_positive_int():

@@ -62,6 +62,8 @@ def _class_labels(labels, num_rows, num_classes):
     """Integer labels ``(N,)`` from ``(N,)``, ``(N, 1)`` or one-hot ``(N, K)`` input."""
     labels = _array("labels", labels, dtype=None)
     if labels.ndim == 2 and labels.shape[1] == num_classes > 1:
+        if not (np.isin(labels, (0, 1)).all() and (labels.sum(axis=1) == 1).all()):
+            raise ValueError("One-hot `labels` must have a single 1 in each row, zeros elsewhere.")
         labels = labels.argmax(axis=1)
     elif labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels[:, 0]
@@ -131,7 +133,7 @@ def reliability_diagram_data(labels, probs, num_bins=15):
     labels = _class_labels(labels, *probs.shape)
     confidence = probs.max(axis=1)
     correct = (probs.argmax(axis=1) == labels).astype(np.float64)
-    edges = np.linspace(0.0, 1.0, num_bins + 1)
+    edges = np.arange(num_bins + 1) / num_bins        # exactly k / M (linspace can be an ulp below)
     bins = np.clip(np.digitize(confidence, edges, right=True) - 1, 0, num_bins - 1)
     counts = np.bincount(bins, minlength=num_bins)
     with np.errstate(invalid="ignore", divide="ignore"):
