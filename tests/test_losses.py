@@ -279,6 +279,9 @@ def test_bad_shapes_raise_clear_errors():
         GaussianNLL("learned").log_prob(np.zeros((2, 1)), np.ones((2, 4), np.float32))
     with pytest.raises(ValueError, match="does not match"):
         GaussianNLL(1.0).call(tf.zeros((2, 3)), tf.zeros((2, 2)))
+    for targets in (np.zeros((1, 2)), np.zeros((1,))):          # one target, five predictions:
+        with pytest.raises(ValueError, match="does not match"):  # not broadcast silently
+            GaussianNLL(1.0).log_prob(targets, np.zeros((5, 2 if targets.ndim == 2 else 1)))
     for loss in (GaussianNLL(1.0), GaussianNLL("learned")):   # a (batch,) output would sum the batch
         with pytest.raises(ValueError, match=r"\(batch, d\)"):
             loss.call(tf.zeros((6,)), tf.zeros((6,)))

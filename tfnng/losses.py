@@ -171,9 +171,7 @@ class GaussianNLL(LikelihoodLoss):
         y_true = tf.cast(tf.convert_to_tensor(y_true), mean.dtype)
         if y_true.shape.rank == mean.shape.rank - 1 and mean.shape[-1] == 1:
             y_true = y_true[..., tf.newaxis]
-        if y_true.shape.rank != mean.shape.rank or not y_true.shape[-1:].is_compatible_with(
-            mean.shape[-1:]
-        ):
+        if not y_true.shape.is_compatible_with(mean.shape):     # no silent broadcasting
             raise ValueError(
                 f"GaussianNLL: y_true with shape {tuple(y_true.shape)} does not match the "
                 f"predicted mean with shape {tuple(mean.shape)}."
