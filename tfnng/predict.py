@@ -63,8 +63,10 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     (a tfnng optimizer) and used for all of ``x``. A model compiled with a plain Keras optimizer (a
     point estimate) gives one deterministic sample. Variables the model no longer trains (frozen with
     ``trainable = False`` after training) keep their values, as in :mod:`tfnng.serving`. The model's
-    variables are restored afterwards, so training can continue. The forward pass and the draw are
-    traced once per model and optimizer and reused by later calls.
+    variables are restored afterwards, so training can continue; the optimizer's weight-noise
+    generator is not (each call draws new samples), so training after a call draws other noise than
+    training without it (:class:`tfnng.callbacks.PredictiveValidation` restores the generator). The
+    forward pass and the draw are traced once per model and optimizer and reused by later calls.
 
     Args:
         model: a built Keras model compiled with a tfnng optimizer (or any optimizer, see above).
