@@ -43,6 +43,9 @@ def test_log_mean_exp_by_hand_and_stable():
 def test_log_mean_exp_rejects_bad_inputs():
     with pytest.raises(ValueError, match=r"\(S, N\)"):
         metrics.log_mean_exp_log_likelihood(np.zeros(3))
+    for empty in (np.zeros((0, 3)), np.zeros((4, 0))):
+        with pytest.raises(ValueError, match=r"S, N > 0"):
+            metrics.log_mean_exp_log_likelihood(empty)
     with pytest.raises(ValueError, match="NaN"):
         metrics.log_mean_exp_log_likelihood([[0.0, np.nan]])
     with pytest.raises(ValueError, match=r"\+inf"):

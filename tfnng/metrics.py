@@ -93,9 +93,9 @@ def log_mean_exp_log_likelihood(per_sample_log_probs):
     ``-inf`` entries (zero likelihood) are allowed; NaN and ``+inf`` are rejected.
     """
     log_probs = _array("per_sample_log_probs", per_sample_log_probs)
-    if log_probs.ndim != 2 or log_probs.shape[0] == 0:
+    if log_probs.ndim != 2 or 0 in log_probs.shape:
         raise ValueError(
-            f"`per_sample_log_probs` must have shape (S, N) with S > 0; got {log_probs.shape}."
+            f"`per_sample_log_probs` must have shape (S, N) with S, N > 0; got {log_probs.shape}."
         )
     if np.isposinf(log_probs).any():
         raise ValueError("`per_sample_log_probs` contains +inf.")
