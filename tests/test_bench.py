@@ -139,6 +139,47 @@ def test_unknown_names_stop_with_a_message(tmp_path):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht"])
 
 
+@pytest.mark.parametrize("argv", [
+    ["uci", "--dataset", "yacht", "--epochs", "-1"],        # used to repeat the data forever
+    ["uci", "--dataset", "yacht", "--epochs", "0"],         # used to record an untrained model
+    ["uci", "--dataset", "yacht", "--batch-size", "0"],
+    ["uci", "--dataset", "yacht", "--splits", "0"],
+    ["uci", "--dataset", "yacht", "--first-split", "-1"],
+    ["uci", "--dataset", "yacht", "--predictive-samples", "zero"],
+    ["speed", "--steps", "0"],                              # used to hang
+    ["speed", "--repeats", "0"],
+    ["speed", "--warmup-steps", "-1"],
+    ["speed", "--batch-size", "0"],
+    ["logreg", "--splits", "0"],
+    ["kfac_digits", "--epochs", "-1"],
+    ["kfac_digits", "--num-samples", "0"],
+    ["kfac_digits", "--test-fraction", "1.5"],
+])
+def test_out_of_range_numbers_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert f"argument {argv[-2]}:" in capsys.readouterr().err
+
+
+def test_an_unwritable_out_stops_before_any_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = str(blocker / "result.json")                      # its parent cannot be created
+    for argv in (["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--out", out],
+                 ["logreg", "--data-dir", str(tmp_path), "--out", out],
+                 ["speed", "--out", out],
+                 ["kfac_digits", "--out", out],
+                 ["kfac_digits", "--out", str(tmp_path / "ok.json"), "--png", str(tmp_path)]):
+        with pytest.raises(SystemExit, match="--(out|png) "):
+            main(argv)
+
+
+def test_speed_runs_without_warm_up_steps():
+    rows = speed.measure("mlp", ("Adam",), steps=2, repeats=1, warmup_steps=0, batch_size=8)
+    assert rows[0]["trained"] and rows[0]["ms_per_step"] > 0
+
+
 def test_result_helpers():
     mean, se = _results.mean_and_standard_error([1.0, 2.0, 3.0])
     assert mean == pytest.approx(2.0) and se == pytest.approx(1.0 / math.sqrt(3.0))

@@ -1,5 +1,6 @@
-"""Reporting helpers shared by the benchmark tasks: fixed-width tables and JSON records."""
+"""Helpers shared by the benchmark tasks: command-line values, fixed-width tables, JSON records."""
 
+import argparse
 import datetime
 import json
 import math
@@ -22,6 +23,49 @@ def parse_names(text, known, kind, allow_all=False):
         choices = ", ".join(known) + (" or 'all'" if allow_all else "")
         raise SystemExit(f"unknown {kind} {', '.join(unknown)}; choose from {choices}")
     return names
+
+
+def _int_at_least(minimum, text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+    return value
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1 (a count of epochs, steps, splits, samples, examples)."""
+    return _int_at_least(1, text)
+
+
+def non_negative_int(text):
+    """argparse type: an integer >= 0 (an index, or a count that may be zero)."""
+    return _int_at_least(0, text)
+
+
+def open_fraction(text):
+    """argparse type: a float strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not strictly between 0 and 1")
+    return value
+
+
+def check_writable(path, option):
+    """Stop the command at once (not after the benchmark ran) unless a file can be written at
+    ``path``; creates its parent folders, as :func:`write_json` would."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"{option} {path}: cannot create {parent}: {error.strerror}") from None
+    if not os.access(parent, os.W_OK) or Path(path).is_dir():
+        raise SystemExit(f"{option} {path}: not a writable file path")
 
 
 def format_table(headers, rows):

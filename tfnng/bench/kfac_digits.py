@@ -18,6 +18,7 @@ Example: ``python -m tfnng.bench kfac_digits --epochs 30``
 
 import math
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -147,20 +148,27 @@ def add_arguments(parser):
     """Command-line options of ``python -m tfnng.bench kfac_digits``."""
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated methods (default: %(default)s)")
-    parser.add_argument("--epochs", type=int, default=30, help="training epochs (default: %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default: %(default)s)")
-    parser.add_argument("--num-samples", type=int, default=50,
+    parser.add_argument("--epochs", type=_results.positive_int, default=30,
+                        help="training epochs (default: %(default)s)")
+    parser.add_argument("--batch-size", type=_results.positive_int, default=32,
+                        help="batch size (default: %(default)s)")
+    parser.add_argument("--num-samples", type=_results.positive_int, default=50,
                         help="predictive weight samples (default: %(default)s)")
-    parser.add_argument("--test-fraction", type=float, default=0.3, help="(default: %(default)s)")
+    parser.add_argument("--test-fraction", type=_results.open_fraction, default=0.3,
+                        help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    parser.add_argument("--png", default="results/kfac_digits_reliability.png",
-                        help="reliability diagram PNG (default: %(default)s)")
+    parser.add_argument("--png", default=None,
+                        help="reliability diagram PNG (default: beside --out, <out>_reliability.png)")
     parser.add_argument("--out", default="results/kfac_digits.json", help="JSON (default: %(default)s)")
 
 
 def run(args):
     """Train every method, print the table, write the JSON and the reliability diagram PNG."""
     methods = _results.parse_names(args.methods, METHODS, "method(s)")
+    if args.png is None:
+        args.png = str(Path(args.out).with_name(Path(args.out).stem + "_reliability.png"))
+    for option, path in (("--out", args.out), ("--png", args.png)):
+        _results.check_writable(path, option)
     data = load(args.test_fraction, args.seed)
     rows = [run_method(m, data, args.epochs, args.batch_size, args.num_samples, args.seed)
             for m in methods]

@@ -450,7 +450,7 @@ def add_arguments(parser):
                         help=f"comma-separated data sets ({', '.join(DATASETS)}) or 'all' (default)")
     parser.add_argument("--method", default="all",
                         help=f"comma-separated methods ({', '.join(METHODS)}) or 'all' (default)")
-    parser.add_argument("--splits", type=int, default=None,
+    parser.add_argument("--splits", type=_results.positive_int, default=None,
                         help=f"number of random 50/50 splits (default: {DEFAULT_SPLITS}, as in SLANG)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the splits (default: 0)")
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_SPLITS} splits")
@@ -461,6 +461,8 @@ def run(args):
     """Run the logistic-regression benchmark described by ``args``; print the table, write the JSON."""
     datasets = _results.parse_names(args.dataset, DATASETS, "data set", allow_all=True)
     methods = _results.parse_names(args.method, METHODS, "method", allow_all=True)
+    out = args.out or "results/logreg.json"
+    _results.check_writable(out, "--out")
     missing = [DATASETS[d].file for d in datasets if not (Path(args.data_dir) / DATASETS[d].file).is_file()]
     if missing:
         raise SystemExit(f"logistic-regression data not found in {args.data_dir!r}: {missing}")
@@ -484,5 +486,5 @@ def run(args):
     references = {"SLANG Table 1": {d: SLANG_TABLE_1[d] for d in datasets},
                   "datasets/README.md": {d: README_PUBLISHED[d] for d in datasets},
                   "paper_columns": PAPER_COLUMNS}
-    _results.write_json(args.out or "results/logreg.json", "logreg", args.command, settings,
+    _results.write_json(out, "logreg", args.command, settings,
                         {"datasets": results, "references": references})

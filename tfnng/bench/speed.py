@@ -178,7 +178,8 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
     models = _compiled_models(model_name, optimizers, jit_compile)
     dataset = _batch(next(iter(models.values())), batch_size)
     for model in models.values():
-        model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0)
+        if warmup_steps:                      # (steps_per_epoch=0 would run the endless dataset)
+            model.fit(dataset, steps_per_epoch=warmup_steps, epochs=1, verbose=0)
     times = {name: [] for name in optimizers}
     for repeat in range(repeats):
         order = optimizers[repeat % len(optimizers):] + optimizers[:repeat % len(optimizers)]
@@ -213,9 +214,11 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
 
 def add_arguments(parser):
     """Command-line options of ``python -m tfnng.bench speed``."""
-    parser.add_argument("--steps", type=int, default=200, help="training steps per timed run (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per optimizer (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=200,
+    parser.add_argument("--steps", type=_results.positive_int, default=200,
+                        help="training steps per timed run (default: %(default)s)")
+    parser.add_argument("--repeats", type=_results.positive_int, default=5,
+                        help="timed runs per optimizer (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=_results.non_negative_int, default=200,
                         help="untimed steps first; >= T_inv = 200 so that K-FAC's inverse warm-up is over "
                              "and each timed run of 200 steps holds one inverse update (default: %(default)s)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated models (default: %(default)s)")
@@ -223,7 +226,7 @@ def add_arguments(parser):
                         help="comma-separated optimizers; the first is the reference of the ratios "
                              "(default: %(default)s)")
     parser.add_argument("--jit-compile", action="store_true", help="compile every model with XLA (default: off)")
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+    parser.add_argument("--batch-size", type=_results.positive_int, default=BATCH_SIZE,
                         help="examples per step; the targets are stated for %(default)s (default: %(default)s)")
     parser.add_argument("--out", default="results/speed.json", help="JSON file (default: %(default)s)")
 
@@ -232,6 +235,7 @@ def run(args):
     """Run the speed/memory benchmark described by the parsed ``args``; print the table, write the JSON."""
     model_names = _results.parse_names(args.models, MODELS, "model(s)")
     optimizers = tuple(_results.parse_names(args.optimizers, OPTIMIZERS, "optimizer(s)"))
+    _results.check_writable(args.out, "--out")
     rows = [row for name in model_names
             for row in measure(name, optimizers, args.steps, args.repeats, args.warmup_steps, args.jit_compile,
                                args.batch_size)]

@@ -331,6 +331,9 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
     except ValueError as error:
         raise SystemExit(f"--mc-samples {mc_samples}: {error}") from None
     split_ids = range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
+    if splits is not None and len(split_ids) < splits:
+        print(f"{dataset} has splits 0 to {n_splits - 1}: running {len(split_ids)} of the {splits} "
+              f"asked for, from split {first_split}", flush=True)
     if batch_size is None:
         batch_size = SMALL_BATCH_SIZE if rows < SMALL_DATASET_ROWS else LARGE_BATCH_SIZE
     per_split = []
@@ -396,15 +399,17 @@ def add_arguments(parser):
                         help=f"comma-separated data set names ({', '.join(DATASETS)}; 'boston' works) or 'all'")
     parser.add_argument("--method", default="noisy_adam",
                         help=f"comma-separated methods ({', '.join(METHODS)}) or 'all' (default: %(default)s)")
-    parser.add_argument("--splits", type=int, default=None, help="use only K standard splits")
-    parser.add_argument("--first-split", type=int, default=0,
+    parser.add_argument("--splits", type=_results.positive_int, default=None,
+                        help="use only K standard splits")
+    parser.add_argument("--first-split", type=_results.non_negative_int, default=0,
                         help="index of the first split to run (default: 0); with --splits K, runs K splits from it")
-    parser.add_argument("--epochs", type=int, default=None, help=f"training epochs (default: {EPOCHS})")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--epochs", type=_results.positive_int, default=None,
+                        help=f"training epochs (default: {EPOCHS})")
+    parser.add_argument("--batch-size", type=_results.positive_int, default=None,
                         help=f"default: {SMALL_BATCH_SIZE} below {SMALL_DATASET_ROWS} rows, else {LARGE_BATCH_SIZE}")
-    parser.add_argument("--predictive-samples", type=int, default=NUM_PREDICTIVE_SAMPLES,
+    parser.add_argument("--predictive-samples", type=_results.positive_int, default=NUM_PREDICTIVE_SAMPLES,
                         help="weight samples of the test predictive (default: %(default)s)")
-    parser.add_argument("--mc-samples", type=int, default=1,
+    parser.add_argument("--mc-samples", type=_results.positive_int, default=1,
                         help="weight samples per mini-batch in training (default: %(default)s; "
                              "not for the MAP baseline)")
     parser.add_argument("--quick", action="store_true",
@@ -419,6 +424,8 @@ def run(args):
         methods = _parse_list(args.method, METHODS, _resolve_method)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    out = args.out or f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}.json"
+    _results.check_writable(out, "--out")
     missing = [d for d in datasets if not (Path(args.data_dir) / d).is_dir()]
     if missing:
         raise SystemExit(f"UCI data not found in {args.data_dir!r} (missing: {', '.join(missing)})")
@@ -429,7 +436,6 @@ def run(args):
                  for dataset in datasets for method in methods]
     _results.print_table(["dataset", "method", "splits", "epochs", "batch", "test RMSE", "test LL", "time [s]"],
                          _table_rows(summaries), title="\nUCI regression (original units, mean ± standard error)")
-    out = args.out or f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}.json"
     settings = {
         "data_dir": str(Path(args.data_dir).resolve()), "datasets": datasets, "methods": methods,
         "splits": splits, "first_split": args.first_split, "epochs": epochs, "batch_size": args.batch_size,
