@@ -138,7 +138,9 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         return self._unflatten(tf.sqrt(variances))[index]
 
     def kl_divergence(self):
-        """KL(q || N(0, eta I)) of the whole flat posterior in closed form."""
+        """KL(q || N(0, eta I)) of the whole flat posterior in closed form (a scalar in the
+        posterior's dtype, float32 for a float32 model; the diagonal and K-FAC families give
+        float64)."""
         self._require_built()
         return self._kl(self._flat_mean())
 
