@@ -422,8 +422,8 @@ def test_fit_predict_with_layers_without_fast_path(make):
 
 @pytest.mark.parametrize("make", [
     lambda: tfnng.optimizers.SLANG(1e-2, num_examples=40, rank=3, seed=1),
-    lambda: tfnng.optimizers.NoisyNaturalGradient(1e-2, num_examples=40, seed=1),
-    lambda: tfnng.optimizers.VOGN(1e-2, num_examples=40, seed=1)], ids=["slang", "nng_full", "vogn"])
+    lambda: tfnng.optimizers.NoisyNaturalGradient(1e-2, num_examples=40, seed=1)],
+    ids=["slang", "nng_full"])
 def test_a_step_traced_for_an_unknown_batch_size_is_the_step_for_the_known_one(make):
     """Keras traces the step with an unknown batch size for a last partial batch or a tf.data
     pipeline: the update must not depend on it (SLANG and NNG-full used to fail there)."""
@@ -444,7 +444,7 @@ def test_a_step_traced_for_an_unknown_batch_size_is_the_step_for_the_known_one(m
     model = tfnng.BayesianModel(net)
     model.compile(optimizer=make(), loss=loss)
     x, y = rng.normal(size=(40, 6, 5, 2)), rng.normal(size=(40, 2))
-    history = model.fit(x, y, batch_size=12, epochs=2, verbose=0)
+    history = model.fit(x, y, batch_size=12, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
 
 
