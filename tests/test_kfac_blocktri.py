@@ -89,7 +89,6 @@ def test_blocktri_optimizer_matches_dense_construction_and_samples():
     np.testing.assert_allclose(float(optimizer.kl_divergence()), dense_kl, rtol=1e-8)
 
 
-
 class SubclassedStack(keras.Model):
     def __init__(self):
         super().__init__()

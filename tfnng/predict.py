@@ -121,22 +121,26 @@ _FORWARD_PASSES = weakref.WeakKeyDictionary()
 _POSTERIOR_DRAWS = weakref.WeakKeyDictionary()
 
 
+def _traced(cache, owner, call, **options):
+    """``tf.function(lambda *args: call(owner, *args), **options)``, made once per ``owner`` and
+    kept in ``cache``; the function reaches ``owner`` through a weak reference."""
+    if owner not in cache:
+        reference = weakref.ref(owner)
+        cache[owner] = tf.function(lambda *args: call(reference(), *args), **options)
+    return cache[owner]
+
+
 def _traced_forward(model):
-    """The model's inference-mode forward pass as a ``tf.function``, traced once per input signature."""
-    if model not in _FORWARD_PASSES:
-        owner = weakref.ref(model)
-        _FORWARD_PASSES[model] = tf.function(lambda xb: owner()(xb, training=False),
-                                             reduce_retracing=True)
-    return _FORWARD_PASSES[model]
+    """The model's inference-mode forward pass, traced once per input signature."""
+    return _traced(_FORWARD_PASSES, model, lambda net, xb: net(xb, training=False),
+                   reduce_retracing=True)
 
 
 def _traced_draw(optimizer):
-    """``optimizer.sample_weights`` as a ``tf.function`` (its seed is a variable: each call draws anew)."""
-    if optimizer not in _POSTERIOR_DRAWS:
-        owner = weakref.ref(optimizer)
-        # Python-only control flow: no autograph (which would re-read the optimizer's source).
-        _POSTERIOR_DRAWS[optimizer] = tf.function(lambda: owner().sample_weights(), autograph=False)
-    return _POSTERIOR_DRAWS[optimizer]
+    """``optimizer.sample_weights`` (its seed is a variable: each call draws anew). Python-only
+    control flow: no autograph (which would re-read the optimizer's source)."""
+    return _traced(_POSTERIOR_DRAWS, optimizer, lambda posterior: posterior.sample_weights(),
+                   autograph=False)
 
 
 def _inputs(x):
