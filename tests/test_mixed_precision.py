@@ -163,3 +163,44 @@ def test_keras_loss_scale_wrapper_is_seen_through(tmp_path):
         inputs=tf.constant(x[:8]), seed=tf.constant([1, 2], tf.int64))
     np.testing.assert_allclose(served["mean"].numpy().sum(axis=-1), 1.0, rtol=1e-5)
     assert np.ptp(served["samples"].numpy(), axis=1).max() > 0          # posterior samples served
+
+
+def noise_precision_fit():
+    """IVON on Dense(8) -> Dense(1) -> NoisePrecision with GaussianNLL("learned"), 10 epochs."""
+    keras.utils.set_random_seed(0)
+    x, y, _ = data()
+    layer = tfnng.layers.NoisePrecision(num_examples=len(x))
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Dense(1), layer])
+    net.compile(optimizer=tfnng.optimizers.IVON(learning_rate=0.05, num_examples=len(x), seed=0),
+                loss=tfnng.losses.GaussianNLL("learned"))
+    net.fit(x, y, batch_size=16, epochs=10, shuffle=False, verbose=0)
+    return layer, net
+
+
+def test_noise_precision_keeps_q_tau_in_float32_under_a_mixed_policy(policy):
+    """Without its own dtype the layer used to compute in the mixed policy's half precision, where
+    its KL mixed float32 and float16 (TypeError at the first step); alpha ~ a0 + N/2 needs float32."""
+    layer, net = noise_precision_fit()
+    assert str(net.layers[1].compute_dtype) == policy.split("_")[1]      # really mixed
+    assert layer.compute_dtype == "float32" and net(data()[0][:2]).dtype == "float32"
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        reference, _ = noise_precision_fit()
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    np.testing.assert_allclose(layer.log_parameters.numpy(), reference.log_parameters.numpy(),
+                               rtol=TOLERANCE[policy])
+    assert float(reference.alpha[0]) > 20          # moved from its initial 6
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_variables_are_refused(dtype):
+    """Variables stored in half precision (a non-mixed policy): bfloat16(0.999) == 1, so Vadam's
+    bias correction divided by zero and IVON's h never moved; tfnng refuses them at build."""
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, dtype=dtype)])
+    for optimizer in (tfnng.optimizers.Vadam(num_examples=8), tfnng.optimizers.IVON(num_examples=8)):
+        net.compile(optimizer=optimizer, loss="mse")
+        with pytest.raises(ValueError, match="half-precision variables.*mixed"):
+            net.fit(np.ones((8, 4)), np.ones((8, 3)), verbose=0)

@@ -240,6 +240,14 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     assert by_alias.intrinsic_damping == pytest.approx(1e-3)
     with pytest.raises(ValueError, match="ess"):
         tfnng.optimizers.IVON(ess=200, num_examples=200)
+    for both in ({"beta_1": 0.5, "beta1": 0.8}, {"beta_2": 0.9, "beta2": 0.95}):
+        with pytest.raises(ValueError, match="not both"):
+            tfnng.optimizers.IVON(num_examples=10, **both)
+    # Arguments passed explicitly at their defaults (None) are no conflict.
+    explicit = tfnng.optimizers.IVON(ess=200, weight_decay=1e-3, prior_variance=None,
+                                     prior_precision=None, beta_1=None, beta2=None)
+    assert explicit.get_config() | {"name": None} == by_alias.get_config() | {
+        "name": None, "beta_1": 0.9, "beta_2": 0.99999}
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -258,6 +266,9 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     ({"num_examples": 10, "hess_init": float("inf")}, "hess_init"),
     ({"num_examples": 10, "hess_init": float("nan")}, "hess_init"),
     ({"num_examples": 10, "extrinsic_damping": "0.1x"}, "extrinsic_damping"),
+    ({"num_examples": 10, "beta_1": None}, "beta_1"),
+    ({"num_examples": 10, "learning_rate": float("nan")}, "learning_rate"),
+    ({"num_examples": 10, "learning_rate": -0.01}, "learning_rate"),
 ])
 def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -267,6 +278,10 @@ def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
 @pytest.mark.parametrize("make, match", [
     (lambda: tfnng.optimizers.VadaGrad(num_examples=10, hess_init=float("nan")), "hess_init"),
     (lambda: tfnng.optimizers.IVON(ess=100.5), "ess"),
+    (lambda: tfnng.optimizers.IVON(num_examples=10, clip_radius=None), "clip_radius"),
+    (lambda: tfnng.optimizers.IVON(num_examples=10, clip_radius=float("nan")), "clip_radius"),
+    (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, learning_rate=float("inf")),
+     "learning_rate"),
     (lambda: tfnng.optimizers.KFAC(damping=float("nan")), "damping"),
     (lambda: tfnng.optimizers.KFAC(l2=float("inf")), "l2"),
     (lambda: tfnng.optimizers.SLANG(num_examples=10, oversampling=-2), "oversampling"),
@@ -356,3 +371,44 @@ def test_point_estimates_take_a_bias_corrected_adam_step(method, mc_samples):
         m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g**2
         c -= lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-7)
         assert float(net.layers[-1].offset) == pytest.approx(c, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_sparse_gradients_update_like_their_dense_equivalent(method):
+    """An Embedding's gradient arrives as tf.IndexedSlices; IVON's momentum used to fail on it
+    (float * IndexedSlices). Sparse and densified gradients give the same posterior and samples."""
+    def run(densify):
+        keras.utils.set_random_seed(0)
+        embedding = keras.layers.Embedding(6, 2)
+        embedding.build((None,))
+        optimizer = METHODS[method](learning_rate=0.05, num_examples=20, seed=0)
+        for _ in range(3):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((embedding(tf.constant([1, 2, 2])) - 1.0) ** 2)
+            gradient = tape.gradient(loss, embedding.embeddings)
+            assert isinstance(gradient, tf.IndexedSlices)
+            optimizer.apply_gradients([(tf.convert_to_tensor(gradient) if densify else gradient,
+                                        embedding.embeddings)])
+        return optimizer.posterior_mean(embedding.embeddings).numpy(), embedding.embeddings.numpy()
+
+    (mean, sample), (dense_mean, dense_sample) = run(False), run(True)
+    np.testing.assert_array_equal(mean, dense_mean)
+    np.testing.assert_array_equal(sample, dense_sample)
+    assert np.abs(mean[[1, 2]] - mean[[0, 3]]).max() > 1e-3   # the looked-up rows moved
+
+
+def test_embedding_models_train_in_fit_and_through_bayesian_model():
+    x = np.random.default_rng(0).integers(0, 10, size=(32, 3))
+    y = (x.sum(axis=1, keepdims=True) / 10.0).astype("float32")
+
+    def net():
+        return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
+                                 keras.layers.Flatten(), keras.layers.Dense(1)])
+
+    for model, optimizer in [(net(), tfnng.optimizers.IVON(num_examples=32, seed=0)),
+                             (tfnng.BayesianModel(net()),
+                              tfnng.optimizers.NoisyKFAC(num_examples=32, seed=0))]:
+        model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance=0.5))
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+        assert np.isfinite(history["loss"]).all() and optimizer.skipped_updates == 0
+        assert int(optimizer._update_count.numpy()) == 8

@@ -97,6 +97,10 @@ class NoisePrecision(keras.layers.Layer):
         initial_rate=2.0,
         **kwargs,
     ):
+        if kwargs.get("dtype") is None:
+            # Under a mixed precision policy q(tau) stays in the variables' precision: alpha is
+            # about a0 + N/2, beyond float16 for N > 131000 and to 3 digits in bfloat16.
+            kwargs["dtype"] = keras.config.dtype_policy().variable_dtype
         super().__init__(**kwargs)
         if (
             isinstance(num_examples, bool)

@@ -25,6 +25,7 @@ the Keras convention (mean negative log-likelihood of the batch); the optimizers
 import contextlib
 import logging
 import math
+import numbers
 import threading
 
 import keras
@@ -79,9 +80,10 @@ def _non_negative_int(name, value):
 
 
 def _probability(name, value):
-    if not 0.0 <= float(value) < 1.0:
+    number = _finite_float(value)
+    if number is None or not 0.0 <= number < 1.0:
         raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
-    return float(value)
+    return number
 
 
 def _resolve_prior_variance(prior_variance, prior_precision):
@@ -153,7 +155,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     averages of the per-sample statistics returned by ``_sample_statistics``).
 
     Args:
-        learning_rate: step size alpha of the mean update (float or Keras schedule).
+        learning_rate: step size alpha of the mean update (a number >= 0, or a Keras schedule).
         num_examples: N, the number of training examples. Required.
         prior_variance: eta of the prior N(0, eta I). Default 1.
         prior_precision: 1/eta, accepted instead of ``prior_variance`` (never both).
@@ -190,6 +192,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                     "the role of weight decay, the posterior mean is the weight average, and "
                     "`mc_samples` accumulates gradients.")
             kwargs.pop(unsupported, None)
+        if isinstance(learning_rate, numbers.Real):      # schedules and callables are Keras's
+            learning_rate = _non_negative("learning_rate", learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.num_examples = _validate_num_examples(num_examples)
         self.prior_variance = _resolve_prior_variance(prior_variance, prior_precision)
@@ -222,6 +226,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 f"({', '.join(constrained)}): Keras would project the weight sample after each "
                 "update while the Gaussian posterior stays unconstrained. Remove the constraint "
                 "(the prior regularises the weights).")
+        half = [getattr(v, "path", v.name) for v in variables
+                if keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16")]
+        if half:
+            raise ValueError(
+                f"{type(self).__name__} cannot train half-precision variables "
+                f"({', '.join(half)}): the posterior and its running averages live in the "
+                "variable's dtype, where the averaging constants round to 1 (bfloat16(0.999) == 1) "
+                "and the posterior stops moving. Use a mixed precision policy ('mixed_bfloat16' or "
+                "'mixed_float16'), which keeps float32 variables and computes in half precision.")
         super().build(variables)
         with keras.name_scope(self.name, caller=self):
             self._point = [_markers.is_point_estimate(v) for v in variables]
@@ -288,7 +301,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        grads = self._clip_gradients(_sum_over_replicas(grads))
+        # Sparse gradients (IndexedSlices, e.g. of an Embedding) are made dense: every weight has
+        # a posterior, and every weight is perturbed at every step.
+        grads = self._clip_gradients(_sum_over_replicas([tf.convert_to_tensor(g) for g in grads]))
         # The non-finite guard (class docstring): gradients and this step's curvature statistics.
         checked = [(f"the gradient of {getattr(v, 'path', v.name)}", g)    # Keras or tf.Variable
                    for g, v in zip(grads, trainable_variables)]

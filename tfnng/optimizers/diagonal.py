@@ -318,6 +318,14 @@ class VadaGrad(NoisyOptimizer):
                 "hess_init": self.hess_init}
 
 
+def _alias(name, value, alias_name, alias_value, default):
+    """The value given as ``name`` or as its alias ``alias_name`` (not both), else ``default``."""
+    if value is not None and alias_value is not None:
+        raise ValueError(f"Pass either `{name}` or `{alias_name}`, not both.")
+    value = alias_value if value is None else value
+    return default if value is None else value
+
+
 @_register
 class IVON(NoisyOptimizer):
     """Improved Variational Online Newton (Shen et al. 2024, *Variational Learning is Effective for
@@ -333,12 +341,17 @@ class IVON(NoisyOptimizer):
         mu <- mu - alpha clip((gbar / (1 - beta_1^t) + delta mu) / (h + delta), clip_radius)
 
     The third term of the h update keeps h positive (IVON's Riemannian correction).
+
+    Args:
+        beta_1, beta_2: the averaging constants above (defaults 0.9 and 0.99999); ``beta1`` and
+            ``beta2`` are accepted as IVON's spellings (not both spellings at once).
+        hess_init: initial h. clip_radius: the clip of the mean step (default: none).
     """
 
     _sample_statistic_names = ("grad", "hess")
 
-    def __init__(self, learning_rate=0.1, num_examples=None, ess=None, hess_init=1.0, beta_1=0.9,
-                 beta_2=0.99999, weight_decay=None, clip_radius=float("inf"), name="ivon",
+    def __init__(self, learning_rate=0.1, num_examples=None, ess=None, hess_init=1.0, beta_1=None,
+                 beta_2=None, weight_decay=None, clip_radius=float("inf"), name="ivon",
                  beta1=None, beta2=None, **kwargs):
         if ess is not None:
             if num_examples is not None or "kl_weight" in kwargs:
@@ -348,18 +361,17 @@ class IVON(NoisyOptimizer):
                                  f"be a positive integer, got {ess!r}.")
             num_examples = ess
         if weight_decay is not None:
-            if "prior_variance" in kwargs or "prior_precision" in kwargs:
+            if kwargs.get("prior_variance") is not None or kwargs.get("prior_precision") is not None:
                 raise ValueError("Pass either `weight_decay` or a prior variance/precision.")
             ess_value = num_examples / kwargs.get("kl_weight", 1.0) if num_examples else None
             if ess_value is not None:
                 kwargs["prior_variance"] = 1.0 / (ess_value * _positive("weight_decay", weight_decay))
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
-        self.beta_1 = _probability("beta_1", beta_1 if beta1 is None else beta1)
-        self.beta_2 = _probability("beta_2", beta_2 if beta2 is None else beta2)
+        self.beta_1 = _probability("beta_1", _alias("beta_1", beta_1, "beta1", beta1, 0.9))
+        self.beta_2 = _probability("beta_2", _alias("beta_2", beta_2, "beta2", beta2, 0.99999))
         self.hess_init = _positive("hess_init", hess_init)
-        self.clip_radius = float(clip_radius)
-        if not self.clip_radius > 0:
-            raise ValueError(f"`clip_radius` must be > 0, got {clip_radius!r}.")
+        self.clip_radius = float("inf") if clip_radius == float("inf") else _positive(
+            "clip_radius", clip_radius)
         self._slots = {"momentum": 0.0, "hess": self.hess_init}
 
     @property
