@@ -183,18 +183,63 @@ def test_tensorboard_and_validation_reject_bad_setups(tmp_path):
     for kwargs in ({"num_samples": 0}, {"every": 0}, {"every": 1.5}):
         with pytest.raises(ValueError):
             callbacks.PredictiveValidation(x, y, **kwargs)
+    with pytest.raises(ValueError, match=r"evaluate\(\) needs a model: pass the callback"):
+        callbacks.PredictiveValidation(x, y).evaluate()
 
 
+class EpochCounter(keras.callbacks.Callback):
+    epochs = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs += 1
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ("dataset", TypeError, "one array"),
+    ("dict", TypeError, "one array"),
+    ("short_y", ValueError, "10 targets for 16 inputs"),
+    ("soft_labels", ValueError, "not soft labels"),
+])
+def test_predictive_validation_rejects_unusable_data_before_training(bad, error, match):
+    """These used to fail only when the first scored epoch ended (after ``every`` epochs)."""
+    x, y = regression_data(n=16)
+    loss, units = tfnng.losses.GaussianNLL(), 1
+    x_val, y_val = x, y
+    if bad == "dataset":
+        x_val = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    elif bad == "dict":
+        x_val = {"x": x}
+    elif bad == "short_y":
+        y_val = y[:10]
+    else:
+        y = y_val = np.eye(2, dtype="float32")[(x[:, 0] > 0).astype(int)] * 0.9 + 0.05
+        loss, units = tfnng.losses.CategoricalNLL(), 2
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=16), loss=loss)
+    counter = EpochCounter()
+    with pytest.raises(error, match=match):
+        model.fit(x, y, epochs=3, verbose=0, callbacks=[
+            counter, callbacks.PredictiveValidation(x_val, y_val, every=3)])
+    assert counter.epochs == 0
+
+
+@pytest.mark.parametrize("unknown_length", [False, True])
 @pytest.mark.parametrize("steps_per_execution, batch_steps", [
     (1, [4, 8, 12, 16, 20, 24]), (4, [4, 8, 12, 16, 20, 24]), (5, [5, 10, 12, 17, 22, 24])])
 def test_tensorboard_every_k_batches_counts_batches_with_steps_per_execution(
-        tmp_path, steps_per_execution, batch_steps):
-    """Batch summaries follow the batches seen, not the executions (12 batches per epoch)."""
+        tmp_path, steps_per_execution, batch_steps, unknown_length):
+    """Batch summaries follow the batches seen, not the executions (12 batches per epoch), also
+    for a pipeline of unknown length, whose last execution Keras reports as whole (the steps
+    used to run ahead: 5, 10, 15, 15, 20, ...)."""
     x, y = regression_data(n=24)
     model = regression_net()
     model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=len(x)), loss="mse",
                   steps_per_execution=steps_per_execution)
-    model.fit(x, y, batch_size=2, epochs=2, verbose=0, callbacks=[
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    if unknown_length:
+        data = data.filter(lambda inputs, targets: True)
+        assert data.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    model.fit(data, epochs=2, verbose=0, callbacks=[
         callbacks.PosteriorTensorBoard(tmp_path, histogram_freq=0, update_freq=4)])
     steps = [step for step, _, _ in read_events(tmp_path)["elbo/kl"]]
     assert steps == sorted(batch_steps + [12, 24])           # and the two epoch summaries

@@ -144,6 +144,16 @@ def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
             tfnng.predict(model, x, num_samples=bad)
     nested = tfnng.predict(model, x[:3].tolist(), num_samples=2, batch_size=2)   # nested lists: one array
     assert nested.mean.shape == (3, 1)
+    inputs = keras.Input((4,))
+    two_outputs = keras.Model(inputs, [keras.layers.Dense(1)(inputs), keras.layers.Dense(1)(inputs)])
+    two_outputs.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=16),
+                        loss=[tfnng.losses.GaussianNLL(), tfnng.losses.GaussianNLL()])
+    two_outputs.fit(x, [y, y], epochs=1, verbose=0)
+    weights = [v.numpy() for v in two_outputs.trainable_variables]
+    with pytest.raises(ValueError, match="one output tensor"):        # was an AttributeError
+        tfnng.predict(two_outputs, x, num_samples=2, likelihood=tfnng.losses.GaussianNLL())
+    for before, variable in zip(weights, two_outputs.trainable_variables):
+        np.testing.assert_array_equal(before, variable.numpy())
 
 
 def test_hand_written_tape_loop_and_retracing():

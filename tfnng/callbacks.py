@@ -27,7 +27,7 @@ from tfnng import metrics as _metrics
 from tfnng._names import unique_names
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
-from tfnng.predict import _likelihood_of, predict
+from tfnng.predict import _inputs, _likelihood_of, predict
 
 
 def _tfnng_optimizer(model, caller):
@@ -78,8 +78,24 @@ class PredictiveValidation(keras.callbacks.Callback):
         self.prefix = str(prefix)
 
     def on_train_begin(self, logs=None):
+        # Fail now rather than at the end of the first scored epoch.
         _tfnng_optimizer(self.model, type(self).__name__)
-        _likelihood_of(self.model, self.likelihood)      # fail now rather than at the epoch's end
+        self._check_data(_likelihood_of(self.model, self.likelihood))
+
+    def _check_data(self, likelihood):
+        """The validation inputs' type, the number of targets, and classification labels that
+        accuracy and ECE can score (class ids or one-hot rows)."""
+        num_inputs = _inputs(self.x).shape[0]
+        y = np.asarray(self.y)
+        if y.ndim == 0 or len(y) != num_inputs:
+            raise ValueError(f"PredictiveValidation: `y` has {len(y) if y.ndim else 0} targets for "
+                             f"{num_inputs} inputs `x`.")
+        if likelihood.is_classification and y.ndim == 2 and y.shape[1] > 1:
+            try:
+                _metrics._class_labels(y, len(y), y.shape[1])
+            except ValueError as error:
+                raise ValueError(f"PredictiveValidation scores accuracy and calibration, which need "
+                                 f"class ids or one-hot labels (not soft labels): {error}") from None
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or (epoch + 1) % self.every:
@@ -88,6 +104,9 @@ class PredictiveValidation(keras.callbacks.Callback):
 
     def evaluate(self):
         """The scores (without the prefix) of the current posterior, as a dict of floats."""
+        if self.model is None:
+            raise ValueError("PredictiveValidation.evaluate() needs a model: pass the callback to "
+                             "`model.fit`, or call `callback.set_model(model)` first.")
         noise_state = _tfnng_optimizer(self.model, type(self).__name__)._seed_generator.state
         saved = noise_state.numpy()
         try:
@@ -160,7 +179,7 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
     Bayesian variable (point estimates excluded), every ``histogram_freq`` epochs.
 
     The step of a summary is the epoch with ``update_freq="epoch"`` and the number of training
-    batches seen otherwise.
+    batches seen otherwise (for a pipeline of unknown length: the optimizer's iterations).
 
     Args:
         log_dir: directory of the event files (may be shared with ``keras.callbacks.TensorBoard``).
@@ -188,12 +207,18 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._batches_before_epoch = self._batches_seen
+        self._iterations_before_epoch = int(self.model.optimizer.iterations)
 
     def on_train_batch_end(self, batch, logs=None):
         # ``batch`` is the epoch's last batch run so far: with ``steps_per_execution`` s > 1 Keras
-        # calls this once per s batches (the epoch's last call may cover fewer).
+        # calls this once per s batches, and the epoch's last call, which may cover fewer, still
+        # says a whole execution ran. The epoch's length corrects that; when it is unknown (a
+        # tf.data pipeline), the optimizer's iterations count the batches trained.
         steps = self.params.get("steps") if self.params else None
-        done = batch + 1 if not steps else min(batch + 1, steps)
+        if steps:
+            done = min(batch + 1, steps)
+        else:
+            done = int(self.model.optimizer.iterations) - self._iterations_before_epoch
         previous, self._batches_seen = self._batches_seen, self._batches_before_epoch + done
         if self.update_freq != "epoch" and (self._batches_seen // self.update_freq
                                             > previous // self.update_freq):

@@ -105,7 +105,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
                 for variable, value in frozen:
                     variable.assign(value)
             outputs.append(np.concatenate([
-                forward(x[start:start + batch_size]).numpy()
+                _one_output(forward(x[start:start + batch_size]))
                 for start in range(0, x.shape[0], batch_size)]))
     finally:
         for variable, value in zip(variables, saved):
@@ -157,6 +157,16 @@ def _inputs(x):
     if x.shape.rank == 0 or x.shape[0] == 0:
         raise ValueError(f"tfnng.predict needs at least one input example, got shape {tuple(x.shape)}.")
     return x
+
+
+def _one_output(output):
+    """The model's output as an array (a clear error for a model with several outputs)."""
+    if not tf.is_tensor(output):
+        raise ValueError(
+            "tfnng.predict needs a model with one output tensor (the likelihood's parameters), got "
+            f"{type(output).__name__}. For several outputs, draw weight samples with "
+            "`model.optimizer.sample_weights()` and call the model at each.")
+    return output.numpy()
 
 
 def _per_weight_sample(fn, outputs):

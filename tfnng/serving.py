@@ -7,8 +7,8 @@ deviations of the diagonal family; mean matrices and sampling factors of noisy K
 sampling state of SLANG and NoisyNaturalGradient), and every call
 
 1. draws S weight samples with stateless RNG (:func:`tfnng._random.standard_normal`) from a seed,
-2. runs the network functionally at each sample (Keras 3 ``model.stateless_call``, one sample at a
-   time under ``tf.map_fn``, so memory holds one weight sample per iteration),
+2. runs the network functionally at each sample (Keras 3 ``model.stateless_call`` under
+   ``tf.map_fn``, whose default in a graph keeps up to 10 samples in flight),
 3. summarises the S outputs with :func:`tfnng.predict.predictive_moments`, the same Monte Carlo
    predictive as :func:`tfnng.predict`.
 
@@ -171,19 +171,28 @@ def _flat_sampler(optimizer, positions):
                  float(np.sqrt(optimizer._covariance_scale)))
 
 
+# The families whose sampler the SavedModel reproduces, with the methods that sample: a subclass that
+# overrides one of them samples differently, and its posterior cannot be exported.
+_FAMILY_SAMPLERS = ((NoisyKFAC, ("sample_weights", "_draw", "_draw_blocks", "_sample_blocks")),
+                    (FlatPosteriorOptimizer, ("sample_weights", "_write_sample")),
+                    (NoisyOptimizer, ("sample_weights", "_draw")))
+
+
 def _exportable_optimizer(model):
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     if not isinstance(optimizer, NoisyOptimizer):
         raise ValueError(
             "tfnng.serving.export needs a model compiled with a tfnng optimizer (its posterior is "
             f"what gets exported); got optimizer {type(optimizer).__name__}.")
-    diagonal = (type(optimizer).sample_weights is NoisyOptimizer.sample_weights
-                and type(optimizer)._draw is NoisyOptimizer._draw)
-    if not (diagonal or isinstance(optimizer, (NoisyKFAC, FlatPosteriorOptimizer))):
+    family, methods = next((family, methods) for family, methods in _FAMILY_SAMPLERS
+                           if isinstance(optimizer, family))
+    overridden = [m for m in methods if getattr(type(optimizer), m) is not getattr(family, m)]
+    if overridden:
         raise ValueError(
-            f"tfnng.serving cannot export the posterior of {type(optimizer).__name__}: only the "
-            "diagonal family (NoisyAdam, Vadam, Vprop, VadaGrad, IVON, VOGN, ...), the noisy K-FAC "
-            "family (NoisyKFAC, KFAC), SLANG and NoisyNaturalGradient have an in-graph sampler.")
+            f"tfnng.serving cannot export the posterior of {type(optimizer).__name__}: it overrides "
+            f"{', '.join(overridden)} of {family.__name__}, and the SavedModel can only reproduce "
+            "the samplers of the diagonal family (NoisyAdam, Vadam, Vprop, VadaGrad, IVON, VOGN), "
+            "the noisy K-FAC family (NoisyKFAC, KFAC), SLANG and NoisyNaturalGradient.")
     optimizer._require_built()      # also copies the model's weights into never-updated means
     return optimizer
 
@@ -212,10 +221,16 @@ def _kronecker_samplers(optimizer, positions):
 
 
 def _posterior_samplers(model, optimizer):
-    """Samplers that together draw every trainable variable of ``model``, from a posterior snapshot."""
+    """Samplers that together draw every trainable variable of ``model``, from a posterior snapshot.
+
+    Variables the optimizer trains but the model no longer does (frozen after training) get positions
+    after the model's trainable ones: the joint draws that include them discard their part, and the
+    model keeps their current values with its non-trainable state, as in :func:`tfnng.predict`."""
     variables = list(model.trainable_variables)
     samplers = []
-    positions = {id(v): k for k, v in enumerate(variables)}
+    trainable = {id(v) for v in variables}
+    frozen = [v for v in optimizer._trainable_variables if id(v) not in trainable]
+    positions = {id(v): k for k, v in enumerate(variables + frozen)}
     if isinstance(optimizer, NoisyKFAC):
         samplers = _kronecker_samplers(optimizer, positions)
     elif isinstance(optimizer, FlatPosteriorOptimizer):
@@ -329,8 +344,8 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
 
     Args:
         model: a trained Keras model with one input tensor of known shape, compiled with a tfnng
-            optimizer of the diagonal or the noisy K-FAC family (a ``tfnng.BayesianModel`` for the
-            latter).
+            optimizer: the diagonal family, the noisy K-FAC family, SLANG or NoisyNaturalGradient
+            (the last three in a ``tfnng.BayesianModel``).
         path: directory to write (for TF Serving: ``<model_base_path>/<version>``).
         num_samples: number S of weight samples per call.
         outputs: names of the signature outputs (module docstring).
@@ -339,7 +354,7 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
     Raises:
         ValueError: bad ``num_samples`` or ``outputs``, no likelihood, or an optimizer whose
             posterior cannot be sampled in the graph (not a tfnng optimizer, not trained, or a
-            subclass with a sampler of its own).
+            subclass that overrides its family's sampling methods).
     """
     likelihood = _likelihood_of(model, likelihood)
     num_samples = _validate_num_samples(num_samples)
