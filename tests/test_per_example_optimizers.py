@@ -78,13 +78,14 @@ def loop_gradients(net, loss, x, y, variable):
     return gradients
 
 
-def vogn_after_one_batch(net, loss, x, y):
-    """An empirical-Fisher VOGN built for ``net`` that has received the curvature of one batch."""
-    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="empirical")
+def vogn_after_one_batch(net, loss, x, y, sample_weight=None, fisher="empirical"):
+    """A VOGN built for ``net`` that has received the curvature of one batch."""
+    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher=fisher)
     capture = LayerCapture(net)
     optimizer.prepare_curvature(capture.specs)
     optimizer.build(net.trainable_variables)
-    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    _, _, _, curvature = gradients_and_curvature(net, capture, optimizer, loss, x, y, sample_weight,
+                                                 seed=keras.random.SeedGenerator(0))
     optimizer.receive_curvature(curvature)
     return optimizer
 
@@ -132,6 +133,122 @@ def test_per_example_gradients_select_fast_and_generic_paths_automatically():
     np.testing.assert_allclose(columns.gram().numpy(), dense.T @ dense, rtol=1e-9)
     np.testing.assert_allclose(columns.squared_row_norms().numpy(), np.sum(dense ** 2, axis=1),
                                rtol=1e-9, atol=1e-12)
+
+
+def test_sample_weights_weigh_each_examples_curvature_on_both_paths():
+    """With Keras's sample_weight the log-likelihood is sum_n w_n log p(y_n | x_n): every variable's
+    squared per-example gradient mean is (1/B) sum_n w_n g_n^2, on the fast path (Conv2D, Dense) and
+    the generic one (LayerNormalization, a custom layer) alike. The fast path used to carry w_n^2
+    (the weighted loss's gradients, squared) and the generic path and the true Fisher no weight."""
+    net = mixed_net()
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.3, dtype=F64)
+    rng = np.random.default_rng(4)
+    x, y = tf.constant(rng.normal(size=(4, 6, 5, 2))), tf.constant(rng.normal(size=(4, 2)))
+    weights = np.array([0.0, 1.0, 2.5, 0.5])
+    optimizer = vogn_after_one_batch(net, loss, x, y, tf.constant(weights))
+    for i, variable in enumerate(net.trainable_variables):
+        squares = np.square(loop_gradients(net, loss, x, y, variable))
+        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(),
+                                   np.tensordot(weights, squares, axes=1) / len(weights),
+                                   rtol=1e-9, atol=1e-12)
+    # True Fisher (same sampled targets for the same seed): a constant weight c multiplies it by c.
+    unweighted = vogn_after_one_batch(net, loss, x, y, fisher="true")
+    weighted = vogn_after_one_batch(net, loss, x, y, tf.fill([4], tf.constant(4.0, F64)), "true")
+    for i in range(len(net.trainable_variables)):
+        np.testing.assert_allclose(weighted._squared_gradient_mean(i).numpy(),
+                                   4.0 * unweighted._squared_gradient_mean(i).numpy(), rtol=1e-9)
+    with pytest.raises(ValueError, match="one weight per example"):
+        vogn_after_one_batch(net, loss, x, y, tf.ones((4, 2), F64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="non-negative"):
+        vogn_after_one_batch(net, loss, x, y, tf.constant([1.0, -1.0, 1.0, 1.0], F64))
+
+
+def test_empirical_fisher_of_a_summed_loss_equals_that_of_a_mean_loss():
+    """The empirical statistics are read from the compiled loss's gradients: with reduction="sum"
+    they were B^2 times too large."""
+    net = mixed_net()
+    rng = np.random.default_rng(5)
+    x, y = tf.constant(rng.normal(size=(4, 6, 5, 2))), tf.constant(rng.normal(size=(4, 2)))
+    mean = vogn_after_one_batch(net, tfnng.losses.GaussianNLL(0.3, dtype=F64), x, y)
+    summed = vogn_after_one_batch(net, tfnng.losses.GaussianNLL(0.3, reduction="sum", dtype=F64),
+                                  x, y)
+    for i in range(len(net.trainable_variables)):
+        np.testing.assert_allclose(summed._squared_gradient_mean(i).numpy(),
+                                   mean._squared_gradient_mean(i).numpy(), rtol=1e-9)
+    with pytest.raises(ValueError, match="reduction=None"):
+        vogn_after_one_batch(net, tfnng.losses.GaussianNLL(0.3, reduction=None, dtype=F64), x, y)
+
+
+def test_time_distributed_and_recurrent_layers_fall_back_and_train():
+    """A Dense inside TimeDistributed (or an RNN cell) is called once per time step: it used to be
+    captured and then fail fit as a 'shared layer'; it now takes the generic path."""
+    inputs = keras.Input((3, 2))
+    hidden = keras.layers.TimeDistributed(keras.layers.Dense(4, activation="tanh"))(inputs)
+    hidden = keras.layers.SimpleRNN(3)(hidden)
+    net = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    capture = LayerCapture(net)
+    assert [type(spec.layer).__name__ for spec in capture.specs] == ["Dense"]     # the last one
+    assert {type(layer).__name__ for layer in capture.fallback_layers} == {"Dense", "SimpleRNNCell"}
+    x = np.random.default_rng(6).normal(size=(16, 3, 2)).astype("float32")
+    y = x.sum(axis=(1, 2))[:, None]
+    time_distributed = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(
+        keras.layers.TimeDistributed(keras.layers.Dense(4, activation="tanh"))(inputs))))
+    # (The generic path's vectorized_map cannot run a recurrent layer's while loop: VOGN is
+    # trained on the TimeDistributed model only.)
+    for net, optimizer in ((time_distributed, tfnng.optimizers.VOGN(1e-2, num_examples=16)),
+                           (net, tfnng.optimizers.NoisyKFAC(num_examples=16))):
+        model = tfnng.BayesianModel(net)
+        model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+        assert np.isfinite(history["loss"]).all() and optimizer.skipped_updates == 0
+
+
+class LayerNamedLikeAWeight(keras.layers.Layer):
+    """Holds a weight named "proj" and a Dense sub-layer named "proj": layer path == variable path."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3, name="proj")
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="proj")
+        self.dense.build(input_shape)
+
+    def call(self, x):
+        return self.dense(x * self.scale)
+
+
+def test_a_layer_path_equal_to_a_variable_path_keeps_both_records():
+    """The generic record of the variable "blk/proj" used to replace the record of the Dense layer
+    "blk/proj" (AttributeError in VOGN and SLANG)."""
+    inputs = keras.Input((2,))
+    net = keras.Model(inputs, keras.layers.Dense(1)(LayerNamedLikeAWeight(name="blk")(inputs)))
+    assert "blk/proj" in [spec.name for spec in LayerCapture(net).specs]
+    assert "blk/proj" in [v.path for v in net.trainable_variables]
+    x = np.random.default_rng(7).normal(size=(8, 2)).astype("float32")
+    for optimizer in (tfnng.optimizers.VOGN(1e-2, num_examples=8),
+                      tfnng.optimizers.SLANG(1e-2, num_examples=8, rank=2)):
+        model = tfnng.BayesianModel(net)
+        model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
+        assert np.isfinite(model.fit(x, x[:, :1], batch_size=4, verbose=0).history["loss"]).all()
+
+
+def test_multi_output_models_need_the_empirical_fisher_and_say_so():
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(3, activation="tanh")(inputs)
+    net = keras.Model(inputs, [keras.layers.Dense(2)(hidden), keras.layers.Dense(1)(hidden)])
+    x = np.random.default_rng(8).normal(size=(8, 2)).astype("float32")
+    targets = [(x[:, 0] > 0).astype("int32"), x[:, :1]]
+    losses = [tfnng.losses.CategoricalNLL(), tfnng.losses.GaussianNLL(0.5)]
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=tfnng.optimizers.NoisyKFAC(num_examples=8), loss=losses)
+    with pytest.raises(ValueError, match="one loss per output is supported only with "
+                                         "fisher='empirical'"):
+        model.fit(x, targets, batch_size=4, verbose=0)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=tfnng.optimizers.NoisyKFAC(num_examples=8, fisher="empirical"),
+                  loss=losses)
+    assert np.isfinite(model.fit(x, targets, batch_size=4, verbose=0).history["loss"]).all()
 
 
 class TwinNames(keras.Model):

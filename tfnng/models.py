@@ -35,8 +35,11 @@ An optimizer that needs more than the averaged gradient implements:
 For ``Requirements.kronecker`` each ``CapturedLayer`` holds ``inputs`` (the layer's input) and
 ``preactivation_grads``: per-example gradients of the log-likelihood with respect to the layer's
 pre-activations (true Fisher: of ``log p(y~ | x, w)`` with ``y~`` drawn by ``loss.sample`` from the
-model's predictive; empirical Fisher: of minus the training loss times the batch size, i.e. of the observed
-targets' log-likelihood when the loss is a mean negative log-likelihood).
+model's predictive; empirical Fisher: of minus the training loss times the batch size, or times
+one for a loss with ``reduction="sum"``, i.e. of the observed targets' log-likelihood when the loss
+is a negative log-likelihood). With Keras's ``sample_weight`` or ``class_weight``, example n's
+gradients are scaled by ``sqrt(w_n)`` (the curvature of the weighted log-likelihood; the layer
+inputs, and so K-FAC's factor A, are not weighted).
 
 For ``Requirements.per_example_gradients`` the dict also holds, keyed by variable path, a
 :class:`tfnng.curvature.per_example.CapturedVariable` for every Bayesian variable that no captured
@@ -99,6 +102,53 @@ def _replica_seed(seed):
                                                     context.replica_id_in_sync_group)
 
 
+def _example_weights(sample_weight):
+    """Keras's ``sample_weight`` (also ``class_weight``'s) as one weight per example, shape (B,)."""
+    if sample_weight is None:
+        return None
+    if isinstance(sample_weight, (list, tuple, dict)):
+        raise ValueError("Curvature statistics take one weight per example; got sample weights per "
+                         "output of a multi-output model.")
+    weights = tf.convert_to_tensor(sample_weight)
+    if weights.shape.rank is not None and any(d != 1 for d in weights.shape[1:]):
+        raise ValueError("Curvature statistics take one weight per example, shape (B,) or (B, 1); "
+                         f"got sample weights of shape {tuple(weights.shape)}.")
+    if not weights.dtype.is_floating:
+        weights = tf.cast(weights, tf.float32)
+    weights = tf.reshape(weights, [-1])
+    return _losses._checked(weights, weights >= 0, "sample weights must be non-negative.")
+
+
+def _scale_examples(tensor, scale):
+    """``tensor`` (B, ...) with example n multiplied by ``scale[n]``."""
+    return tensor * tf.reshape(tf.cast(scale, tensor.dtype), [-1] + [1] * (tensor.shape.rank - 1))
+
+
+def _empirical_factor(loss_fn, batch):
+    """The factor turning gradients of the compiled (reduced) loss into gradients of the summed
+    log-likelihood: minus the batch size for a mean over the batch, minus one for a sum."""
+    reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
+    if reduction in ("sum_over_batch_size", "mean"):
+        return -batch
+    if reduction == "sum":
+        return -tf.ones_like(batch)
+    raise ValueError(
+        f"The empirical Fisher needs a loss reduced by a mean or a sum over the batch; got "
+        f"reduction={reduction!r}.")
+
+
+def _single_likelihood(loss_fn, purpose):
+    """``loss_fn`` if it is one tfnng likelihood (``sample`` and ``log_prob``), else a clear error."""
+    if isinstance(loss_fn, (list, tuple, dict)):
+        raise ValueError(f"{purpose} needs one tfnng likelihood loss; a model compiled with one "
+                         "loss per output is supported only with fisher='empirical' and Dense/Conv2D "
+                         "layers.")
+    if not hasattr(loss_fn, "sample") or not hasattr(loss_fn, "log_prob"):
+        raise ValueError(f"{purpose} needs a tfnng likelihood loss (GaussianNLL, CategoricalNLL, "
+                         "BernoulliNLL); with another loss use fisher='empirical' (Dense/Conv2D).")
+    return loss_fn
+
+
 _PER_EXAMPLE_FIELDS = ("inputs", "preactivation_grads", "gradients")
 
 
@@ -130,7 +180,10 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         optimizer: the optimizer (its ``curvature_requirements`` and ``curvature_due`` are read;
             a ``LossScaleOptimizer`` is looked through).
         loss_fn: the likelihood (a tfnng loss: ``sample`` and ``log_prob`` for the true Fisher).
-        x, y, sample_weight: the batch.
+        x, y, sample_weight: the batch. ``sample_weight`` (one non-negative weight per example)
+            weighs the log-likelihood ``sum_n w_n log p(y_n | x_n, w)``: each example's
+            pre-activation (and per-example) gradients are scaled by ``sqrt(w_n)``, so that the
+            curvature is ``sum_n w_n`` times its contribution (the layer inputs are not weighted).
         seed: a ``keras.random.SeedGenerator`` for the true Fisher's target samples (or None).
         compute_loss: optional ``f(y_pred) -> scalar`` training loss (default: ``loss_fn(y, y_pred,
             sample_weight)``); BayesianModel passes Keras's compiled loss.
@@ -145,6 +198,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     requirements = _requirements(optimizer)
     variables = list(net.trainable_variables)
     generic = _generic_variables(capture, variables) if requirements.per_example_gradients else []
+    weights = _example_weights(sample_weight)
     with tf.GradientTape(persistent=True) as tape:
         with capture.recording(tape):
             y_pred = net(x, training=True)
@@ -157,17 +211,17 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         scaled_loss = loss * loss_scale
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
-            if not hasattr(loss_fn, "sample") or not hasattr(loss_fn, "log_prob"):
-                raise ValueError(
-                    "The true Fisher samples targets from the model's predictive: compile with a "
-                    "tfnng likelihood loss (GaussianNLL, CategoricalNLL, BernoulliNLL) or use "
-                    "fisher='empirical'.")
+            _single_likelihood(loss_fn, "The true Fisher, which samples targets from the model's "
+                                        "predictive,")
             # Non-finite outputs (a diverging step) would make the sampler return invalid targets;
             # sample from a finite stand-in: the statistics are non-finite anyway and get skipped.
             finite_pred = tf.where(tf.math.is_finite(y_pred), y_pred, tf.zeros_like(y_pred))
             targets = tf.stop_gradient(loss_fn.sample(tf.stop_gradient(finite_pred),
                                                       seed=_replica_seed(seed)))
-            fisher_ll = tf.reduce_sum(loss_fn.log_prob(targets, y_pred))
+            log_probs = loss_fn.log_prob(targets, y_pred)
+            if weights is not None:
+                log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
+            fisher_ll = tf.reduce_sum(log_probs)
     records = capture.captured() if capture.specs else {}
     zeros = [r.zero for r in records.values()]
     all_grads = tape.gradient(scaled_loss, variables + zeros)
@@ -183,16 +237,21 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO),
                 lambda: [tf.zeros_like(z) for z in zeros])
         else:
-            # The loss is a mean over the global batch (local batch x replicas, Keras's scaling).
-            batch = tf.cast(tf.shape(zeros[0])[0] * _num_replicas(), zeros[0].dtype)
+            # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
+            batch = tf.cast(tf.shape(zeros[0])[0] * _num_replicas(), loss.dtype)
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
             # Unscaled in the loss's dtype (float32 also when the activations are float16).
-            pre_grads = [tf.cast(g, loss.dtype) * (-tf.cast(batch, loss.dtype) / loss_scale)
-                         for g in all_grads[len(variables):]]
+            factor = _empirical_factor(loss_fn, batch) / loss_scale
+            pre_grads = [tf.cast(g, loss.dtype) * factor for g in all_grads[len(variables):]]
+            if weights is not None:     # the loss weighs example n by w_n; the statistics sqrt(w_n)
+                roots = tf.sqrt(tf.cast(weights, loss.dtype))
+                inverse_roots = tf.math.divide_no_nan(tf.ones_like(roots), roots)
+                pre_grads = [_scale_examples(g, inverse_roots) for g in pre_grads]
         for record, g in zip(records.values(), pre_grads):
             record.preactivation_grads = g
     if generic:
-        records.update(_generic_records(net, loss_fn, x, targets, generic, due))
+        records.update(_generic_records(net, loss_fn, x, targets, generic, due, weights,
+                                        taken=list(records)))
     return loss, y_pred, grads, _gather_over_replicas(records)
 
 
@@ -202,13 +261,11 @@ def _generic_variables(capture, variables):
     return [v for v in variables if id(v) not in owned and not _markers.is_point_estimate(v)]
 
 
-def _generic_records(net, loss_fn, x, targets, variables, due):
-    """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``)."""
-    if not hasattr(loss_fn, "log_prob"):
-        raise ValueError(
-            "Per-example gradients of layers without a fast path (anything but Dense/Conv2D) need a "
-            "tfnng likelihood loss (GaussianNLL, CategoricalNLL, BernoulliNLL) to evaluate each "
-            "example's log-likelihood.")
+def _generic_records(net, loss_fn, x, targets, variables, due, weights, taken):
+    """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``),
+    scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``."""
+    _single_likelihood(loss_fn, "Evaluating each example's log-likelihood for the per-example "
+                                "gradients of layers without a fast path (anything but Dense/Conv2D)")
 
     def log_likelihood(y_true, y_pred):
         return loss_fn.log_prob(y_true, y_pred)
@@ -219,8 +276,11 @@ def _generic_records(net, loss_fn, x, targets, variables, due):
     gradients = tf.cond(due, compute,
                         lambda: [tf.zeros((tf.shape(targets)[0],) + tuple(v.shape), v.dtype)
                                  for v in variables])
+    if weights is not None:
+        gradients = [_scale_examples(g, tf.sqrt(weights)) for g in gradients]
+    names = unique_names(taken + [v.path for v in variables])[len(taken):]
     return {name: _per_example.CapturedVariable(v, g)
-            for name, v, g in zip(unique_names([v.path for v in variables]), variables, gradients)}
+            for name, v, g in zip(names, variables, gradients)}
 
 
 @keras.saving.register_keras_serializable(package="tfnng")

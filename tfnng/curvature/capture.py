@@ -33,6 +33,8 @@ from tfnng._names import unique_names
 
 DENSE = "dense"
 CONV2D = "conv2d"
+# Wrappers that call their inner layers several times per forward pass.
+_REPEATING_WRAPPERS = (keras.layers.TimeDistributed, keras.layers.RNN)
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,12 +108,16 @@ def find_layers(model):
     or bias another layer also holds (tied weights) is a fallback: its inputs and pre-activation
     gradients would miss the other use of the weight. Only a weight held as an attribute of the
     other layer is seen; one reached through another layer object (``self.encoder.kernel``) is not.
+    So is a layer inside ``TimeDistributed`` or a recurrent layer, which call it once per time
+    step (a Dense applied to the whole ``(batch, time, features)`` input is supported).
     """
     layers = _leaf_layers(model)
     holders = collections.Counter(id(v) for layer in layers for v in layer._trainable_variables)
+    repeated = {id(inner) for layer in layers if isinstance(layer, _REPEATING_WRAPPERS)
+                for inner in layer._flatten_layers(include_self=False, recursive=True)}
     supported, fallback = [], []
     for layer in layers:
-        kind = layer_kind(layer)
+        kind = None if id(layer) in repeated else layer_kind(layer)
         if kind is not None and any(holders[id(v)] > 1 for v in (layer.kernel, layer.bias)
                                     if v is not None):
             kind = None
@@ -175,7 +181,8 @@ class LayerCapture:
             if spec.name in records:
                 raise ValueError(
                     f"Layer {spec.name!r} was called more than once in one forward pass; the "
-                    "Kronecker-factored curvature capture does not support shared layers.")
+                    "curvature capture of Dense/Conv2D layers (K-FAC factors, per-example "
+                    "gradients) does not support shared layers.")
             had_instance_activation = "activation" in layer.__dict__
             original_activation = getattr(layer, "activation", None)
             holder = {}
