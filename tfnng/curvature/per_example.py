@@ -25,6 +25,7 @@ get them from :class:`ExampleGradients`, which never forms the gradients of Dens
 
 import dataclasses
 
+import keras
 import tensorflow as tf
 
 from tfnng.curvature import kronecker as _rows
@@ -59,7 +60,9 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
         method: ``"vectorized_map"`` (per-example backward passes vectorised by ``pfor``),
             ``"jacobian"`` (``GradientTape.jacobian`` of the per-example losses of one batched pass,
             evaluated in a ``tf.while_loop``), or ``"auto"``: ``vectorized_map``, falling back to
-            ``jacobian`` if ``pfor`` raises while converting the model.
+            ``jacobian`` if ``pfor`` raises while converting the model; ``jacobian`` for a model
+            with a recurrent layer, whose converted while loop can fail when it runs (seen with
+            a ``TimeDistributed`` layer feeding a ``SimpleRNN``).
         training: the ``training`` flag of the forward pass. Default False: layers that mix examples
             in training mode (``BatchNormalization``) make per-example gradients ill defined, and
             stochastic layers would draw their noise differently per example.
@@ -70,7 +73,7 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
     variables = list(model.trainable_variables if variables is None else variables)
-    if method == "jacobian":
+    if method == "jacobian" or (method == "auto" and _has_recurrent_layer(model)):
         return _jacobian_gradients(model, loss_fn, x, y, variables, training)
     try:
         return _vectorized_gradients(model, loss_fn, x, y, variables, training)
@@ -78,6 +81,12 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
         if method == "vectorized_map":
             raise
     return _jacobian_gradients(model, loss_fn, x, y, variables, training)
+
+
+def _has_recurrent_layer(model):
+    layers = model._flatten_layers(include_self=True, recursive=True) if isinstance(
+        model, keras.layers.Layer) else []
+    return any(isinstance(layer, keras.layers.RNN) for layer in layers)
 
 
 def _vectorized_gradients(model, loss_fn, x, y, variables, training):
