@@ -92,11 +92,10 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     draw = _traced_draw(optimizer) if bayesian else None
 
     # Every variable a draw writes, and those of them the model no longer trains (kept fixed).
-    written = list(optimizer._trainable_variables) if bayesian else []
-    trainable = {id(v) for v in model.trainable_variables}
-    variables = list(model.trainable_variables) + [v for v in written if id(v) not in trainable]
+    frozen_variables = _frozen_variables(model, optimizer) if bayesian else []
+    variables = list(model.trainable_variables) + frozen_variables
     saved = [tf.identity(v) for v in variables]
-    frozen = [(v, value) for v, value in zip(variables, saved) if id(v) not in trainable]
+    frozen = list(zip(frozen_variables, saved[len(model.trainable_variables):]))
     outputs = []
     try:
         for _ in range(num_samples):
@@ -112,6 +111,13 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
             variable.assign(value)
     outputs = np.stack(outputs)
     return _summarise(outputs, likelihood, return_samples)
+
+
+def _frozen_variables(model, optimizer):
+    """The variables ``optimizer`` draws that ``model`` no longer trains (frozen after training):
+    :func:`predict` and :mod:`tfnng.serving` keep them at their current values."""
+    trainable = {id(v) for v in model.trainable_variables}
+    return [v for v in optimizer._trainable_variables if id(v) not in trainable]
 
 
 # Traced functions kept across calls (a trace costs more than a small prediction), one per model and

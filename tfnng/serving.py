@@ -46,7 +46,7 @@ from tfnng.optimizers.base import NoisyOptimizer
 from tfnng.optimizers.kfac import NoisyKFAC
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
-from tfnng.predict import _likelihood_of, predictive_moments
+from tfnng.predict import _frozen_variables, _likelihood_of, predictive_moments
 
 #: Output names -> key of :func:`tfnng.predict.predictive_moments`, per kind of likelihood.
 REGRESSION_OUTPUTS = {"mean": "mean", "variance": "variance",
@@ -228,9 +228,7 @@ def _posterior_samplers(model, optimizer):
     model keeps their current values with its non-trainable state, as in :func:`tfnng.predict`."""
     variables = list(model.trainable_variables)
     samplers = []
-    trainable = {id(v) for v in variables}
-    frozen = [v for v in optimizer._trainable_variables if id(v) not in trainable]
-    positions = {id(v): k for k, v in enumerate(variables + frozen)}
+    positions = {id(v): k for k, v in enumerate(variables + _frozen_variables(model, optimizer))}
     if isinstance(optimizer, NoisyKFAC):
         samplers = _kronecker_samplers(optimizer, positions)
     elif isinstance(optimizer, FlatPosteriorOptimizer):
