@@ -86,3 +86,13 @@ def test_strict_build_fails_on_a_nav_entry_to_a_missing_page(tmp_path):
     result = _build(broken, tmp_path / "site")
     assert result.returncode != 0
     assert "no_such_page.md" in result.stdout + result.stderr
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    """`.ci/run` must run the command README.md gives for the tests, character for character."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("Running the tests", 1)[1]
+    command = re.search(r"```bash\n(.+?)\n```", section, re.DOTALL).group(1).strip()
+    ci_commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                   if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci_commands == [command]
