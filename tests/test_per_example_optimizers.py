@@ -591,3 +591,55 @@ def test_slang_config_round_trip_keeps_the_eigendecomposition_settings():
     restored = tfnng.optimizers.SLANG.from_config(optimizer.get_config())
     assert (restored.rank, restored.eig_method, restored.oversampling,
             restored.power_iterations) == (3, "randomized", 4, 1)
+
+
+# ------------------------------------------------------------------ precision of the reported posterior
+@pytest.mark.parametrize("family", ["slang", "nng"])
+def test_float64_posterior_is_scaled_by_lambda_over_n_without_float32_rounding(family):
+    """lambda/N = 0.014 is not a float32 number: the covariance, KL and precision factors of a
+    float64 model must use it in float64 (they used to round it to float32, a 3e-8 relative error)."""
+    x, y, _, _ = regression_data()
+    net, kl_weight = linear_net(), 0.7
+    kwargs = dict(num_examples=50, kl_weight=kl_weight, prior_variance=ETA, beta=0.3,
+                  fisher="empirical", seed=0)
+    optimizer = (tfnng.optimizers.SLANG(0.1, rank=D, **kwargs) if family == "slang"
+                 else tfnng.optimizers.NoisyNaturalGradient(0.1, **kwargs))
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
+    step(x[:10], y[:10])
+    if family == "slang":
+        u, d = optimizer._low_rank.numpy(), optimizer._diagonal.numpy()
+        precision = u @ u.T + np.diag(d)
+    else:
+        chol = optimizer._chol.numpy()
+        precision = chol @ chol.T
+    covariance = (kl_weight / 50) * np.linalg.inv(precision)
+    np.testing.assert_allclose(optimizer.posterior().covariance().numpy(), covariance, rtol=1e-12)
+    mean = optimizer.posterior_mean(net.trainable_variables[0]).numpy().ravel()
+    kl = 0.5 * (np.trace(covariance) / ETA + mean @ mean / ETA - D + D * np.log(ETA)
+                - np.linalg.slogdet(covariance)[1])
+    np.testing.assert_allclose(float(optimizer.kl_divergence()), kl, rtol=1e-13)
+    if family == "slang":
+        u_scaled, d_scaled = (t.numpy() for t in optimizer.precision_factors())
+        np.testing.assert_allclose(u_scaled @ u_scaled.T + np.diag(d_scaled),
+                                   np.linalg.inv(covariance), rtol=1e-12)
+
+
+def test_slang_float32_diagonal_stays_positive_on_raw_scale_inputs():
+    """With rank = D nothing is discarded, so SLANG's diagonal correction is 0 up to rounding. On
+    inputs of scale 100 its two terms are ~5e3 and float32 rounding is larger than d itself: the
+    correction (the diagonal of a discarded PSD part) must not go negative (d < 0 crashed the
+    sampler's square root after ~100 steps)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = (100.0 * rng.normal(size=(4000, 5))).astype("float32")
+    logits = x @ (rng.normal(size=(5, 1)) / 100.0)
+    y = (rng.uniform(size=(4000, 1)) < 1 / (1 + np.exp(-logits))).astype("float32")
+    net = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    optimizer = tfnng.optimizers.SLANG(1e-2, num_examples=60000, rank=6, beta=0.05, seed=0,
+                                       fisher="empirical")
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.BernoulliNLL())
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)   # 125 steps
+    assert optimizer.iterations.numpy() == 125
+    assert np.all(optimizer._diagonal.numpy() >= 0)
+    assert np.all(np.isfinite(optimizer.posterior_stddev(net.layers[0].kernel).numpy()))

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfnng._names import unique_names
 from tfnng.optimizers._per_example import PerExampleOptimizer
+from tfnng.posteriors import _linalg
 
 
 class FlatPosteriorOptimizer(PerExampleOptimizer):
@@ -61,6 +62,10 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
     def _covariance_scale(self):
         """lambda / N: the covariance is ``(lambda/N) P^-1`` (NNG eq. 9)."""
         return self.kl_weight / self.num_examples
+
+    def _covariance_scale_as(self, dtype):
+        """``_covariance_scale`` as a ``dtype`` tensor (in float64 without float32 rounding)."""
+        return _linalg.cast(self._covariance_scale, dtype)
 
     def _flatten(self, tensors, dtype):
         return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], axis=0)
@@ -122,7 +127,7 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
     def _write_sample(self):
         mean = self._flat_mean()
         eps = self._standard_normal(mean.shape, mean.dtype)
-        sample = mean + tf.sqrt(tf.cast(self._covariance_scale, mean.dtype)) * self.perturb(
+        sample = mean + tf.sqrt(self._covariance_scale_as(mean.dtype)) * self.perturb(
             self.sampling_state(), eps)
         for i, value in self._unflatten(sample).items():
             self._trainable_variables[i].assign(value)

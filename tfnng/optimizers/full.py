@@ -81,7 +81,7 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
 
     def _scaled_cholesky(self):
         """Cholesky factor of the posterior precision (N/lambda) (F_bar + gamma_in I)."""
-        return self._chol / tf.sqrt(tf.cast(self._covariance_scale, self._chol.dtype))
+        return self._chol / tf.sqrt(self._covariance_scale_as(self._chol.dtype))
 
     def _kl(self, mean):
         return _full.kl_to_isotropic_prior(mean, self._scaled_cholesky(), self.prior_variance)

@@ -98,7 +98,7 @@ class SLANG(FlatPosteriorOptimizer):
 
     def _scaled_factors(self):
         """``(U, d)`` of the posterior precision ``(N/lambda) (U U^T + diag d)``."""
-        scale = tf.cast(self._covariance_scale, self._diagonal.dtype)
+        scale = self._covariance_scale_as(self._diagonal.dtype)
         return self._low_rank / tf.sqrt(scale), self._diagonal / scale
 
     def _kl(self, mean):

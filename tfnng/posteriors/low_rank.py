@@ -237,7 +237,11 @@ def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=No
                                   tf.sqrt(beta * _linalg.cast(curvature_weight, dtype)))
     _, new_low_rank = _top_eigenpairs(combined, rank, oversampling, power_iterations, seed, method,
                                       power=0.5)                            # Q Lambda^{1/2}, eq. 7
-    correction = combined.squared_row_norms() - tf.reduce_sum(tf.square(new_low_rank), axis=1)
+    # The discarded part is positive semi-definite, so its diagonal is >= 0; as the difference of two
+    # nearly equal row norms it can round below 0 in float32 (error ~1e-7 x the row norm), and d
+    # would then turn negative and its square root NaN.
+    correction = tf.maximum(
+        combined.squared_row_norms() - tf.reduce_sum(tf.square(new_low_rank), axis=1), 0.0)
     new_diagonal = ((1.0 - beta) * _linalg.cast(diagonal, dtype)
                     + beta * _linalg.cast(prior_precision, dtype) + correction)
     return new_low_rank, new_diagonal
