@@ -132,6 +132,7 @@ def test_raise_in_fit_names_the_variable_and_changes_nothing():
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)          # finite data: trains normally
     before = posterior_state(optimizer)
+    iterations = int(optimizer.iterations.numpy())
     weights = [v.numpy().copy() for v in model.trainable_variables]
     x_bad = x.copy()
     x_bad[3, 1] = np.inf                                         # first batch of the next fit
@@ -140,6 +141,7 @@ def test_raise_in_fit_names_the_variable_and_changes_nothing():
     assert "nonfinite='raise'" in str(error.value)
     assert model.layers[0].kernel.path in str(error.value)
     assert_same_state(before, posterior_state(optimizer))
+    assert int(optimizer.iterations.numpy()) == iterations     # Keras's counter too
     for variable, value in zip(model.trainable_variables, weights):
         np.testing.assert_array_equal(variable.numpy(), value)
 

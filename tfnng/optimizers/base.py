@@ -300,48 +300,57 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
 
-    def _backend_apply_gradients(self, grads, trainable_variables):
-        # Sparse gradients (IndexedSlices, e.g. of an Embedding) are made dense: every weight has
-        # a posterior, and every weight is perturbed at every step.
-        grads = self._clip_gradients(_sum_over_replicas([tf.convert_to_tensor(g) for g in grads]))
-        # The non-finite guard (class docstring): gradients and this step's curvature statistics.
+    def _checked_tensors(self, grads, trainable_variables):
+        """``[(description, tensor)]`` the non-finite guard checks (class docstring): the floating
+        gradients and this step's captured curvature statistics."""
         checked = [(f"the gradient of {getattr(v, 'path', v.name)}", g)    # Keras or tf.Variable
-                   for g, v in zip(grads, trainable_variables)]
+                   for g, v in zip(grads, trainable_variables) if g is not None]
         statistics = {"inputs": "inputs", "preactivation_grads": "pre-activation gradients",
                       "gradients": "per-example gradients"}
         for layer, record in (getattr(self, "_curvature_batch", None) or {}).items():
             checked += [(f"the {what} captured for {layer}", getattr(record, field))
                         for field, what in statistics.items()
                         if getattr(record, field, None) is not None]
-        checked = [(what, t) for what, t in checked if t.dtype.is_floating]
-        compiled = compiled_with_xla()
-        guards = []
-        if self.nonfinite == "raise":
-            if compiled:
-                raise ValueError(
-                    f"{type(self).__name__}(nonfinite='raise') cannot check a step compiled with "
-                    "XLA, which drops tf.debugging checks: compile the model with "
-                    "jit_compile=False, or use nonfinite='skip'.")
-            guards = [tf.debugging.check_numerics(t, f"{type(self).__name__}(nonfinite='raise'): "
-                                                     f"NaN or Inf in {what}")
-                      for what, t in checked]
+        return [(what, tf.convert_to_tensor(t)) for what, t in checked if t.dtype.is_floating]
+
+    def apply(self, grads, trainable_variables=None):
+        """Keras ``apply``; with ``nonfinite="raise"`` the checks come first: every state change of
+        the step, Keras's ``iterations`` increment (made after the update) included, waits for them."""
+        if self.nonfinite != "raise":
+            return super().apply(grads, trainable_variables)
+        if compiled_with_xla():
+            raise ValueError(
+                f"{type(self).__name__}(nonfinite='raise') cannot check a step compiled with "
+                "XLA, which drops tf.debugging checks: compile the model with "
+                "jit_compile=False, or use nonfinite='skip'.")
+        variables = self._trainable_variables if trainable_variables is None else trainable_variables
+        guards = [tf.debugging.check_numerics(t, f"{type(self).__name__}(nonfinite='raise'): "
+                                                 f"NaN or Inf in {what}")
+                  for what, t in self._checked_tensors(grads, variables)]
+        with tf.control_dependencies(guards):
+            return super().apply(grads, trainable_variables)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Sparse gradients (IndexedSlices, e.g. of an Embedding) are made dense: every weight has
+        # a posterior, and every weight is perturbed at every step.
+        grads = self._clip_gradients(_sum_over_replicas([tf.convert_to_tensor(g) for g in grads]))
+        checked = self._checked_tensors(grads, trainable_variables)
         flags = tf.stack([tf.reduce_all(tf.math.is_finite(t)) for _, t in checked])
         finite = tf.reduce_all(flags)
-        with tf.control_dependencies(guards):      # "raise": no state changes before the checks
-            self._initialize_means_once()
-            if self.mc_samples == 1:
-                apply_now = finite
-            else:
-                apply_now = tf.logical_and(finite, self._mc_count + 1 >= self.mc_samples)
-            # Plain attribute (not tracked): read by update_step while this step is being built.
-            object.__setattr__(self, "_step_flags", (finite, apply_now))
-            self._backend_update_step(grads, trainable_variables, self.learning_rate)
-            if self.mc_samples > 1:
-                self._mc_count.assign(tf.where(apply_now, tf.zeros_like(self._mc_count),
-                                               self._mc_count + tf.cast(finite, tf.int64)))
-            self._update_count.assign_add(tf.cast(apply_now, tf.int64))
-            self._skipped.assign_add(1 - tf.cast(finite, tf.int64))
-        if self.nonfinite == "skip" and not compiled:
+        self._initialize_means_once()
+        if self.mc_samples == 1:
+            apply_now = finite
+        else:
+            apply_now = tf.logical_and(finite, self._mc_count + 1 >= self.mc_samples)
+        # Plain attribute (not tracked): read by update_step while this step is being built.
+        object.__setattr__(self, "_step_flags", (finite, apply_now))
+        self._backend_update_step(grads, trainable_variables, self.learning_rate)
+        if self.mc_samples > 1:
+            self._mc_count.assign(tf.where(apply_now, tf.zeros_like(self._mc_count),
+                                           self._mc_count + tf.cast(finite, tf.int64)))
+        self._update_count.assign_add(tf.cast(apply_now, tf.int64))
+        self._skipped.assign_add(1 - tf.cast(finite, tf.int64))
+        if self.nonfinite == "skip" and not compiled_with_xla():
             described, name = [what for what, _ in checked], type(self).__name__
 
             def warn(flags, skipped):
