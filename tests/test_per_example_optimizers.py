@@ -3,8 +3,10 @@ updates, and the exact Bayesian-linear-regression fixed points.
 
 Bayesian linear regression with known noise s2 and prior N(0, eta I) has the exact posterior
 N(mu*, Lambda^-1), Lambda = X^T X / s2 + I / eta; its optimal mean-field Gaussian is N(mu*, diag(Lambda)^-1)
-(DESIGN.md). The design below has correlated columns, so the two differ.
+(docs/math.md). The design below has correlated columns, so the two differ.
 """
+
+import logging
 
 import keras
 import numpy as np
@@ -643,3 +645,21 @@ def test_slang_float32_diagonal_stays_positive_on_raw_scale_inputs():
     assert optimizer.iterations.numpy() == 125
     assert np.all(optimizer._diagonal.numpy() >= 0)
     assert np.all(np.isfinite(optimizer.posterior_stddev(net.layers[0].kernel).numpy()))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tfnng.optimizers.VOGN(0.1, num_examples=N, fisher="empirical"),
+    lambda: tfnng.optimizers.SLANG(0.1, num_examples=N, rank=2, fisher="empirical"),
+    lambda: tfnng.optimizers.NoisyNaturalGradient(0.1, num_examples=N, fisher="empirical"),
+])
+def test_layers_on_the_generic_path_are_named_once_at_build(make, caplog):
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((D,), dtype=F64), Wiggle(dtype=F64, name="wiggle"),
+                            keras.layers.Dense(1, dtype=F64, name="out")])
+    optimizer = make()
+    with caplog.at_level(logging.INFO, logger="tfnng"):
+        make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
+    messages = [r.getMessage() for r in caplog.records if r.name == "tfnng"]
+    assert len(messages) == 1 and "generic path" in messages[0], messages
+    listed = messages[0].split(" gradients of ")[1].split(" by the generic path")[0].split(", ")
+    assert [path.rsplit("/", 1)[-1] for path in listed] == ["wiggle"], messages   # not "out"

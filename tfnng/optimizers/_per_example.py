@@ -7,12 +7,16 @@ finds, for each model variable, where its per-example gradients come from — th
 Dense/Conv2D layer, or the generic path's record — so the selection is automatic.
 """
 
+import logging
+
 import keras
 import tensorflow as tf
 
 from tfnng import curvature as _curvature
 from tfnng.curvature import per_example as _per_example
 from tfnng.optimizers.base import CurvatureConsumer, NoisyOptimizer, _non_negative
+
+_log = logging.getLogger("tfnng")
 
 
 class PerExampleStatistics:
@@ -26,6 +30,11 @@ class PerExampleStatistics:
             for part, variable in (("kernel", spec.kernel), ("bias", spec.bias)):
                 if variable is not None:
                     self._fast_sources[self._get_variable_index(variable)] = (spec, part)
+
+    def _layers_without_fast_path(self, variables):
+        """Sorted paths of the layers holding Bayesian variables that no fast path covers."""
+        return sorted({variables[i].path.rsplit("/", 1)[0] for i in range(len(variables))
+                       if i not in self._fast_sources and not self._point[i]})
 
     def _records(self):
         if self._curvature_batch is None:
@@ -106,6 +115,10 @@ class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimize
         self._require_layer_specs()
         super().build(variables)
         self._map_per_example_sources(variables)
+        generic = self._layers_without_fast_path(variables)
+        if generic:
+            _log.info("%s: per-example gradients of %s by the generic path (slower than the "
+                      "Dense/Conv2D fast path).", type(self).__name__, ", ".join(generic))
 
     def _beta_now(self, dtype):
         return rate_at(self.beta, self._update_count, dtype)

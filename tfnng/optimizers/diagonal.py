@@ -104,8 +104,7 @@ class NoisyAdam(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
         super().build(variables)
         self._map_per_example_sources(variables)
         if self.fisher is not None:
-            approximated = sorted({variables[i].path.rsplit("/", 1)[0] for i in range(len(variables))
-                                   if i not in self._fast_sources and not self._point[i]})
+            approximated = self._layers_without_fast_path(variables)
             if approximated:
                 _log.info("NoisyAdam: no per-example gradients for %s; their Fisher uses the "
                           "squared batch gradient.", ", ".join(approximated))
@@ -329,7 +328,7 @@ def _alias(name, value, alias_name, alias_value, default):
 @_register
 class IVON(NoisyOptimizer):
     """Improved Variational Online Newton (Shen et al. 2024, *Variational Learning is Effective for
-    Large Deep Networks*; update as in DESIGN.md).
+    Large Deep Networks*, Alg. 1; docs/math.md, "Mean field").
 
     IVON's own names are accepted as aliases: ``ess`` (effective sample size, = N / kl_weight) instead
     of ``num_examples``/``kl_weight``, and ``weight_decay`` (delta, = gamma_in = 1/(ess eta)) instead
