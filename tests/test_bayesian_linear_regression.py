@@ -1,6 +1,6 @@
 """Bayesian linear regression with known noise: exact answers for the diagonal optimizers.
 
-Posterior N(mu*, Lambda^-1), Lambda = X^T X / s2 + I / eta (DESIGN.md). The design has orthogonal
+Posterior N(mu*, Lambda^-1), Lambda = X^T X / s2 + I / eta (docs/math.md). The design has orthogonal
 columns, so Lambda is diagonal and the exact posterior is also the optimal mean-field Gaussian.
 """
 

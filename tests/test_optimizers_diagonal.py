@@ -118,7 +118,7 @@ def vadagrad_reference(beta=0.5, tau=0.3):
 
 
 def ivon_reference(b1=0.9, b2=0.95, h0=0.7, clip=0.5):
-    """IVON (DESIGN.md), hhat averaged over MC samples."""
+    """IVON (docs/math.md), hhat averaged over MC samples."""
     ess, delta = N / KL_WEIGHT, GAMMA_IN
 
     def update(mu, s, g, w, grads, samples, t, lr):

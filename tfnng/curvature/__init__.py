@@ -1,4 +1,4 @@
-"""How curvature statistics are obtained from a batch (DESIGN.md layer 2).
+"""How curvature statistics are obtained from a batch (the "curvature" layer of docs/index.md).
 
 * :mod:`tfnng.curvature.capture` — registry of the layers the Kronecker-factored family supports
   (Dense, Conv2D) and the zero-tensor capture of their inputs and pre-activation gradients.

@@ -1,4 +1,4 @@
-"""Layer registry and capture of layer inputs and pre-activation gradients (DESIGN.md layer 2).
+"""Layer registry and capture of layer inputs and pre-activation gradients (tfnng.curvature).
 
 K-FAC needs, for every supported layer, what the averaged gradient cannot give: the layer's input
 activations ``a`` and the gradients ``Ds`` of the log-likelihood with respect to its pre-activations

@@ -10,7 +10,8 @@ observed ones for the *empirical* Fisher), ``DW = a Ds^T`` and the per-example F
 
 (column-stacking ``vec``). Expectations are batch averages; because ``Ds`` is the gradient of the
 *per-example* log-likelihood, ``N * (S (x) A)`` approximates the Fisher of the summed
-log-likelihood, i.e. the Fisher of the Keras mean loss times N (DESIGN.md).
+log-likelihood, i.e. the Fisher of the Keras mean loss times N (docs/math.md, "Notation and
+conventions").
 
 Convolutions (KFC, Grosse & Martens 2016): with the input patches ``a_t`` (``kh*kw*c_in`` values,
 plus the homogeneous 1) and the pre-activation gradients ``Ds_t`` at the ``|T|`` output positions t,

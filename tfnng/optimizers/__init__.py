@@ -1,4 +1,4 @@
-"""Keras 3 optimizers that fit Gaussian posteriors by noisy natural gradient (DESIGN.md layer 3)."""
+"""Keras 3 optimizers that fit Gaussian posteriors by noisy natural gradient (the "optimizers" layer of docs/index.md)."""
 
 from tfnng.optimizers.base import NoisyOptimizer
 from tfnng.optimizers.diagonal import IVON, VOGN, NoisyAdam, VadaGrad, Vadam, Vprop

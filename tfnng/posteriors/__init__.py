@@ -1,4 +1,4 @@
-"""Variational families and their linear algebra (DESIGN.md layer 1)."""
+"""Variational families and their linear algebra (the "posteriors" layer of docs/index.md, Architecture)."""
 
 from tfnng.posteriors import diagonal, kronecker
 
