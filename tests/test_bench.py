@@ -3,6 +3,7 @@ synthetic folder, and quick end-to-end runs of the ``uci`` and ``speed`` tasks."
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,29 @@ def test_first_split_selects_a_range_of_splits(tmp_path):
         uci.run_benchmark(tmp_path, "toy", "adam", epochs=1, first_split=3)
     with pytest.raises(SystemExit, match="at least one split"):
         uci.run_benchmark(tmp_path, "toy", "adam", splits=0, epochs=1)
+
+
+def test_uci_checks_every_data_set_before_training_any(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    for name, n_splits in (("yacht", 3), ("energy", 1)):
+        folder = _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
+                                   train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+        for split in range(1, n_splits):
+            for kind in ("train", "test"):
+                shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_{split}.txt")
+        np.savetxt(folder / "n_splits.txt", [n_splits], fmt="%d")
+        folder.rename(tmp_path / name)
+    monkeypatch.setattr(uci, "run_split", lambda *a, **k: pytest.fail("trained before the checks"))
+    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht,energy", "--epochs", "1",
+            "--out", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit, match="--first-split 2: energy has splits 0 to 0"):
+        main(argv + ["--first-split", "2"])
+    (tmp_path / "energy" / "index_test_0.txt").unlink()
+    with pytest.raises(SystemExit, match=r"energy in .* is incomplete \(missing: index_test_0.txt\)"):
+        main(argv)
+    (tmp_path / "energy" / "data.txt").unlink()
+    with pytest.raises(SystemExit, match=r"missing: data.txt\)"):
+        main(argv)
 
 
 def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
@@ -173,6 +197,28 @@ def test_an_unwritable_out_stops_before_any_training(tmp_path):
                  ["kfac_digits", "--out", str(tmp_path / "ok.json"), "--png", str(tmp_path)]):
         with pytest.raises(SystemExit, match="--(out|png) "):
             main(argv)
+
+
+def test_out_paths_are_opened_before_any_work(tmp_path):
+    """os.access says yes to root for read-only places (/proc), and long names used to raise a bare
+    OSError: the check opens the file, and removes it again if it was new."""
+    for out in ("/proc/tfnng_result.json", str(tmp_path / ("x" * 300 + ".json")),
+                str(tmp_path)):
+        with pytest.raises(SystemExit, match="--out .*: cannot write this file"):
+            main(["speed", "--out", out])
+    _results.check_writable(str(tmp_path / "new.json"), "--out")
+    assert not (tmp_path / "new.json").exists()
+
+
+def test_speed_table_names_the_reference_of_its_ratios(tmp_path, monkeypatch, capsys):
+    row = dict(model="mlp", ms_per_step=2.0, step_time_ratio=1.0, cpu_ms_per_step=2.0,
+               cpu_time_ratio=1.0, state_bytes=8, state_bytes_ratio=1.0, final_loss=0.5, trained=True)
+    monkeypatch.setattr(speed, "measure", lambda name, optimizers, *args: [
+        {**row, "optimizer": o} for o in optimizers])
+    main(["speed", "--models", "mlp", "--optimizers", "NoisyAdam,Adam", "--out",
+          str(tmp_path / "s.json")])
+    header = next(line for line in capsys.readouterr().out.splitlines() if "ms/step" in line)
+    assert header.count("x NoisyAdam") == 3 and "x Adam" not in header
 
 
 def test_speed_runs_without_warm_up_steps():

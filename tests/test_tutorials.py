@@ -1,9 +1,10 @@
-"""Every tutorial runs end to end in its reduced smoke mode, so none can rot."""
+"""Every tutorial runs end to end in its reduced smoke mode, so none can rot; so does the demo."""
 
 import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 TUTORIALS = Path(__file__).parents[1] / "tutorials"
 
@@ -51,6 +52,14 @@ def test_classification_calibration_smoke(tmp_path):
         np.testing.assert_allclose(r["ece"], ece / len(y_test), rtol=1e-12)
     adam = results[1]
     assert adam["accuracy"] > 0.5                          # one epoch of Adam already learns (chance: 0.1)
+
+
+@pytest.mark.parametrize("epochs", ["0", "-1"])      # -1 used to repeat the data forever
+def test_demo_refuses_a_non_positive_epoch_count(epochs, capsys):
+    from tfnng import demo
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--epochs", epochs])
+    assert stop.value.code == 2 and "argument --epochs" in capsys.readouterr().err
 
 
 def test_demo_runs_and_reports_every_method(capsys):

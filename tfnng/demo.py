@@ -14,7 +14,7 @@ import argparse
 from sklearn.datasets import load_diabetes
 from sklearn.model_selection import train_test_split
 
-from tfnng.bench import uci
+from tfnng.bench import _results, uci
 
 
 def diabetes_split(seed=0):
@@ -28,7 +28,7 @@ def diabetes_split(seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tfnng.demo",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--epochs", type=_results.positive_int, default=100)
     parser.add_argument("--methods", default="adam,noisy_adam,vadam,ivon",
                         help=f"comma-separated, from {', '.join(uci.METHODS)}")
     args = parser.parse_args(argv)

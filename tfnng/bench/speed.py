@@ -239,8 +239,9 @@ def run(args):
     rows = [row for name in model_names
             for row in measure(name, optimizers, args.steps, args.repeats, args.warmup_steps, args.jit_compile,
                                args.batch_size)]
+    reference = f"x {optimizers[0]}"      # the ratios are to the first optimizer (Adam by default)
     _results.print_table(
-        ["model", "optimizer", "ms/step", "x Adam", "CPU ms/step", "x Adam", "state bytes", "x Adam",
+        ["model", "optimizer", "ms/step", reference, "CPU ms/step", reference, "state bytes", reference,
          "final loss"],
         [[r["model"], r["optimizer"], f"{r['ms_per_step']:.3f}", f"{r['step_time_ratio']:.2f}",
           f"{r['cpu_ms_per_step']:.3f}", f"{r['cpu_time_ratio']:.2f}", r["state_bytes"],

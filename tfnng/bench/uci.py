@@ -177,6 +177,28 @@ def dataset_info(data_dir, dataset):
     return rows, n_splits, n_hidden
 
 
+def _split_ids(n_splits, first_split, splits):
+    return range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
+
+
+def check_dataset(data_dir, dataset, first_split, splits):
+    """Stop the command before any training unless ``dataset``'s files are all in ``data_dir`` and
+    ``first_split`` is one of its splits."""
+    folder = Path(data_dir) / dataset
+    common = ["data.txt", "n_splits.txt", "n_hidden.txt", "index_features.txt", "index_target.txt"]
+    missing = [name for name in common if not (folder / name).is_file()]
+    if not missing:
+        n_splits = dataset_info(data_dir, dataset)[1]
+        if not 0 <= first_split < n_splits:
+            raise SystemExit(f"--first-split {first_split}: {dataset} has splits 0 to {n_splits - 1}")
+        missing = [name for split in _split_ids(n_splits, first_split, splits)
+                   for name in (f"index_train_{split}.txt", f"index_test_{split}.txt")
+                   if not (folder / name).is_file()]
+    if missing:
+        raise SystemExit(f"UCI data set {dataset} in {folder} is incomplete (missing: "
+                         f"{', '.join(missing)}); see ../shared/datasets/uci/README.md")
+
+
 def _standardise(train, test):
     """Normalise both arrays with the mean/std of ``train`` (columns with zero std get std 1)."""
     mean = train.mean(axis=0)
@@ -319,9 +341,8 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
                   num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
     """Standard splits ``first_split, first_split + 1, ...`` (all, or ``splits`` of them) of one data set
     for one method, with a summary."""
+    check_dataset(data_dir, dataset, first_split, splits)
     rows, n_splits, num_hidden = dataset_info(data_dir, dataset)
-    if not 0 <= first_split < n_splits:
-        raise SystemExit(f"--first-split {first_split}: {dataset} has splits 0 to {n_splits - 1}")
     if splits is not None and splits < 1:
         raise SystemExit(f"--splits {splits}: run at least one split")
     if num_predictive_samples < 1:
@@ -330,7 +351,7 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
         _make_optimizer(method, num_examples=1, total_steps=1, seed=0, mc_samples=mc_samples)
     except ValueError as error:
         raise SystemExit(f"--mc-samples {mc_samples}: {error}") from None
-    split_ids = range(first_split, n_splits if splits is None else min(first_split + splits, n_splits))
+    split_ids = _split_ids(n_splits, first_split, splits)
     if splits is not None and len(split_ids) < splits:
         print(f"{dataset} has splits 0 to {n_splits - 1}: running {len(split_ids)} of the {splits} "
               f"asked for, from split {first_split}", flush=True)
@@ -430,6 +451,8 @@ def run(args):
     if missing:
         raise SystemExit(f"UCI data not found in {args.data_dir!r} (missing: {', '.join(missing)})")
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
+    for dataset in datasets:           # every data set is checked before the first one trains
+        check_dataset(args.data_dir, dataset, args.first_split, splits)
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
     summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split,
                                args.predictive_samples, args.mc_samples)
