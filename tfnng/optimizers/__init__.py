@@ -1,4 +1,5 @@
-"""Keras 3 optimizers that fit Gaussian posteriors by noisy natural gradient (the "optimizers" layer of docs/index.md)."""
+"""Keras 3 optimizers that fit Gaussian posteriors by noisy natural gradient (the "optimizers"
+layer of docs/index.md, Architecture)."""
 
 from tfnng.optimizers.base import NoisyOptimizer
 from tfnng.optimizers.diagonal import IVON, VOGN, NoisyAdam, VadaGrad, Vadam, Vprop

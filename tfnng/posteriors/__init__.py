@@ -1,4 +1,5 @@
-"""Variational families and their linear algebra (the "posteriors" layer of docs/index.md, Architecture)."""
+"""Variational families and their linear algebra (the "posteriors" layer of docs/index.md,
+Architecture)."""
 
 from tfnng.posteriors import diagonal, kronecker
 

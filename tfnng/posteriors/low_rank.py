@@ -213,7 +213,8 @@ def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=No
         d_new = (1 - beta) d + beta prior_precision
                 + diag[(1 - beta) U U^T + beta c G G^T - U_new U_new^T]
 
-    so ``diag(U_new U_new^T + diag d_new) == diag(P_new)`` exactly (eq. 8; SLANG App. D). With
+    so ``diag(U_new U_new^T + diag d_new) == diag(P_new)`` exactly (eq. 8; SLANG App. D; the
+    correction, a PSD matrix's diagonal, is clamped at 0 against round-off). With
     ``L = D`` the update is exact: SLANG equals the full-covariance update (2).
 
     Args:
