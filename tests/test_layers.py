@@ -128,6 +128,22 @@ def test_natural_step_is_the_conjugate_update_and_lands_on_the_posterior(alpha, 
                                    rtol=1e-9)
 
 
+def test_natural_step_that_would_leave_the_gamma_family_keeps_the_old_values():
+    """A step size of 3 (or float32 gradients of a diverged network, ~1e17 squared residuals) would
+    make alpha negative and log alpha NaN: q(tau) keeps its previous alpha and beta instead."""
+    y, a_n, b_n = _known_mean_problem()
+    layer = NoisePrecision(len(y), dtype="float64")
+    model = _mean_model(1, layer, dtype="float64")
+    _set_posterior(layer, [300.0], [7.0])
+    assert -2 * 300.0 + 3 * a_n < 0                          # the unguarded step's alpha
+    step = natural_step(layer.log_parameters)
+    before = layer.log_parameters.numpy()
+    after = step(layer.log_parameters, _objective_gradient(layer, model, y), 3.0).numpy()
+    np.testing.assert_array_equal(after, before)
+    assert np.all(np.isfinite(step(layer.log_parameters, tf.fill((2, 1), tf.constant(np.nan, tf.float64)),
+                                   0.5).numpy()))
+
+
 def test_tfnng_optimizer_takes_the_natural_gradient_step():
     # Inside model.fit, a tfnng optimizer moves q(tau) by v <- v - min(lr, 1) N g: with a predicted
     # mean fixed at zero (the input is zero), each full-batch step is the conjugate update above.

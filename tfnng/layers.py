@@ -30,6 +30,11 @@ def _gamma_natural_step(value, gradient, step_size, num_examples):
     log-space gradients g_a = alpha dL/dalpha, g_b = beta dL/dbeta it reads
     ``alpha -= scale (g_a + g_b) / c`` and ``beta -= scale beta (g_a / alpha + psi'(alpha) g_b) / c``,
     ``c = alpha psi'(alpha) - 1 > 0``. Computed in float64: c ~ 1/(2 alpha) cancels badly in float32.
+
+    In exact arithmetic a step size <= 1 keeps alpha and beta positive (a convex combination, see
+    :class:`NoisePrecision`), but the data terms of g_a and g_b cancel in the alpha step: when the
+    network diverges (squared residuals ~1e17), float32 gradients made alpha negative and log alpha
+    NaN. A step that would leave alpha or beta non-positive or non-finite keeps the old values.
     """
     u = tf.cast(tf.convert_to_tensor(value), tf.float64)
     g = tf.cast(gradient, tf.float64)
@@ -39,7 +44,9 @@ def _gamma_natural_step(value, gradient, step_size, num_examples):
     c = alpha * trigamma - 1.0
     new_alpha = alpha - scale * (g[0] + g[1]) / c
     new_beta = beta - scale * beta * (g[0] / alpha + trigamma * g[1]) / c
-    return tf.cast(tf.math.log(tf.stack([new_alpha, new_beta])), value.dtype)
+    new = tf.stack([new_alpha, new_beta])
+    valid = tf.reduce_all(tf.math.is_finite(new) & (new > 0), axis=0)     # per output j
+    return tf.cast(tf.where(valid, tf.math.log(tf.where(valid, new, 1.0)), u), value.dtype)
 
 
 def _check_positive(name, value):
