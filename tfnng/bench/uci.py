@@ -188,7 +188,7 @@ def check_dataset(data_dir, dataset, first_split, splits):
     common = ["data.txt", "n_splits.txt", "n_hidden.txt", "index_features.txt", "index_target.txt"]
     missing = [name for name in common if not (folder / name).is_file()]
     if not missing:
-        n_splits = dataset_info(data_dir, dataset)[1]
+        n_splits = int(_read_ints(folder / "n_splits.txt")[0])      # not data.txt: no full read
         if not 0 <= first_split < n_splits:
             raise SystemExit(f"--first-split {first_split}: {dataset} has splits 0 to {n_splits - 1}")
         missing = [name for split in _split_ids(n_splits, first_split, splits)
