@@ -109,21 +109,26 @@ def test_kl_to_prior_matches_dense_gaussian_formula():
 
 
 def test_kl_of_float32_posteriors_is_summed_accurately():
-    """float32 means and standard deviations have their KL terms computed in float32 (for speed);
-    the total of ~10^5 terms, some near 0 (sigma^2 close to eta), stays within 1e-5 of float64."""
+    """float32 means and variances have their KL terms computed in float32 (for speed); the total
+    of ~10^5 terms, some near 0 (sigma^2 close to eta), stays within 1e-5 of float64."""
     rng = np.random.default_rng(0)
     eta = 0.5
     means = [rng.normal(0.0, 0.3, (400, 300)), rng.normal(0.0, 0.3, 300)]
-    stddevs = [np.sqrt(eta) * rng.uniform(0.01, 1.0, (400, 300)), np.sqrt(eta) * np.full(300, 1.0 + 1e-3)]
-    var_ratio = [s ** 2 / eta for s in stddevs]
+    variances = [eta * rng.uniform(1e-4, 1.0, (400, 300)), eta * np.full(300, 1.0 + 1e-3)]
+    var_ratio = [v / eta for v in variances]
     exact = sum(0.5 * np.sum(r + m ** 2 / eta - 1.0 - np.log(r)) for m, r in zip(means, var_ratio))
 
     kl32 = tfnng.posteriors.diagonal.kl_to_isotropic_prior(
-        [tf.constant(m, tf.float32) for m in means], [tf.constant(s, tf.float32) for s in stddevs], eta)
+        [tf.constant(m, tf.float32) for m in means], [tf.constant(v, tf.float32) for v in variances],
+        eta)
     mixed = tfnng.posteriors.diagonal.kl_to_isotropic_prior(
         [tf.constant(means[0], tf.float32), tf.constant(means[1])],
-        [tf.constant(stddevs[0], tf.float32), tf.constant(stddevs[1])], eta)
+        [tf.constant(variances[0], tf.float32), tf.constant(variances[1])], eta)
+    # Near the prior (KL ~0.03 from 1.2e5 terms) the KL is not lost to the rounding of sum(r) - D.
+    near_prior = tfnng.posteriors.diagonal.kl_to_isotropic_prior(
+        [tf.zeros((400, 300))], [tf.fill((400, 300), 0.3 * (1 + 1e-3))], 0.3)
 
     assert kl32.dtype == tf.float64
     np.testing.assert_allclose(float(kl32), exact, rtol=1e-5)
     np.testing.assert_allclose(float(mixed), exact, rtol=1e-5)
+    np.testing.assert_allclose(float(near_prior), 0.5 * 120000 * (1e-3 - np.log1p(1e-3)), rtol=1e-3)

@@ -138,9 +138,8 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         self._require_built()
         self._write_sample()
 
-    def _stddev(self, index):
-        variances = self._covariance_scale * self._marginal_variances()
-        return self._unflatten(tf.sqrt(variances))[index]
+    def _variance(self, index):
+        return self._unflatten(self._covariance_scale * self._marginal_variances())[index]
 
     def kl_divergence(self):
         """KL(q || N(0, eta I)) of the whole flat posterior in closed form (a scalar in the

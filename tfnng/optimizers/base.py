@@ -150,7 +150,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     """Base class of tfnng's Gaussian-posterior optimizers (not used directly).
 
     Subclasses declare their per-variable state in ``_slots`` (name -> initial value), and implement
-    ``_stddev(index)`` (posterior standard deviation from the state) and
+    ``_variance(index)`` (posterior variance from the state) and
     ``_update_posterior(index, stats, learning_rate)`` (the paper's update, given the Monte Carlo
     averages of the per-sample statistics returned by ``_sample_statistics``).
 
@@ -211,9 +211,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         """gamma_in = lambda / (N eta), NNG sec. 3.2 and Alg. 1-2."""
         return self.kl_weight / (self.num_examples * self.prior_variance)
 
-    def _sampling_stddev(self, curvature, damping):
-        """The NNG sampling scale ``sqrt((lambda/N) / (curvature + damping))`` (NNG eq. 9, Alg. 1)."""
-        return tf.sqrt(self.kl_weight / self.num_examples / (curvature + damping))
+    def _sampling_variance(self, curvature, damping):
+        """The NNG sampling variance ``(lambda/N) / (curvature + damping)`` (NNG eq. 9, Alg. 1)."""
+        return (self.kl_weight / self.num_examples) / (curvature + damping)
 
     # ---------------------------------------------------------------------------------------- state
     def build(self, variables):
@@ -454,8 +454,11 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         """Per-sample quantities whose Monte Carlo average drives the update (default: gradient)."""
         return {"grad": gradient}
 
-    def _stddev(self, index):
+    def _variance(self, index):
         raise NotImplementedError
+
+    def _stddev(self, index):
+        return tf.sqrt(self._variance(index))
 
     def _update_posterior(self, index, stats, learning_rate):
         raise NotImplementedError
@@ -506,7 +509,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         """KL(q || p) to the prior N(0, eta I) in closed form (float64 scalar)."""
         indices = self._bayesian_indices()
         return _diagonal.kl_to_isotropic_prior(
-            [self._means[i] for i in indices], [self._stddev(i) for i in indices],
+            [self._means[i] for i in indices], [self._variance(i) for i in indices],
             self.prior_variance)
 
     def sample_weights(self):

@@ -120,8 +120,8 @@ class NoisyAdam(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
             return tf.square(gradient)
         return tf.cast(self._squared_gradient_mean(index), gradient.dtype)
 
-    def _stddev(self, index):
-        return self._sampling_stddev(self._slot("fisher", index), self.intrinsic_damping)
+    def _variance(self, index):
+        return self._sampling_variance(self._slot("fisher", index), self.intrinsic_damping)
 
     def _update_posterior(self, index, stats, lr):
         fisher = stats["fisher"] if self.fisher is not None else tf.square(stats["grad"])
@@ -178,8 +178,8 @@ class VOGN(PerExampleOptimizer):
         return {"grad": gradient,
                 "hessian": tf.cast(self._squared_gradient_mean(index), gradient.dtype)}
 
-    def _stddev(self, index):
-        return self._sampling_stddev(self._slot("hessian", index), self.intrinsic_damping)
+    def _variance(self, index):
+        return self._sampling_variance(self._slot("hessian", index), self.intrinsic_damping)
 
     def _update_posterior(self, index, stats, lr):
         mu, s = self._means[index], self._slot("hessian", index)
@@ -219,8 +219,8 @@ class Vadam(NoisyOptimizer):
         self.hess_init = _non_negative("hess_init", hess_init)
         self._slots = {"momentum": 0.0, "second_moment": self.hess_init}
 
-    def _stddev(self, index):
-        return self._sampling_stddev(self._slot("second_moment", index), self.intrinsic_damping)
+    def _variance(self, index):
+        return self._sampling_variance(self._slot("second_moment", index), self.intrinsic_damping)
 
     def _update_posterior(self, index, stats, lr):
         g, mu = stats["grad"], self._means[index]
@@ -257,8 +257,8 @@ class Vprop(NoisyOptimizer):
         self.hess_init = _non_negative("hess_init", hess_init)
         self._slots = {"second_moment": self.hess_init}
 
-    def _stddev(self, index):
-        return self._sampling_stddev(self._slot("second_moment", index), self.intrinsic_damping)
+    def _variance(self, index):
+        return self._sampling_variance(self._slot("second_moment", index), self.intrinsic_damping)
 
     def _update_posterior(self, index, stats, lr):
         g, mu, s = stats["grad"], self._means[index], self._slot("second_moment", index)
@@ -302,8 +302,8 @@ class VadaGrad(NoisyOptimizer):
                              f"noise), and >= 0 otherwise; got {hess_init!r}.")
         self._slots = {"squared_grad_sum": self.hess_init}
 
-    def _stddev(self, index):
-        return self._sampling_stddev(self._slot("squared_grad_sum", index),
+    def _variance(self, index):
+        return self._sampling_variance(self._slot("squared_grad_sum", index),
                                      self.tau * self.intrinsic_damping)
 
     def _update_posterior(self, index, stats, lr):
@@ -381,8 +381,8 @@ class IVON(NoisyOptimizer):
     def _precision(self, index):
         return self.ess * (self._slot("hess", index) + self.intrinsic_damping)
 
-    def _stddev(self, index):
-        return tf.math.rsqrt(self._precision(index))
+    def _variance(self, index):
+        return self._sampling_variance(self._slot("hess", index), self.intrinsic_damping)
 
     def _sample_statistics(self, index, gradient, sample):
         hess = gradient * (sample - self._means[index]) * self._precision(index)

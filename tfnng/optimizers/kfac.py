@@ -591,7 +591,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     def _sample_statistics(self, index, gradient, sample):
         return {"grad": gradient, "weight": sample}
 
-    def _stddev(self, index):
+    def _variance(self, index):
         block, row = self._block_of(index)
         if block is not None:
             var = self._block_marginal_variances(block)
@@ -599,10 +599,10 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 var = var[-1]
             elif block.bias_index is not None:
                 var = var[:-1]
-            return tf.sqrt(tf.reshape(var, self._trainable_variables[index].shape))
+            return tf.reshape(var, self._trainable_variables[index].shape)
         if not self._noisy:
             return tf.zeros_like(self._means[index])
-        return self._sampling_stddev(self._diag_fisher[index], self.sampling_damping)
+        return self._sampling_variance(self._diag_fisher[index], self.sampling_damping)
 
     def _update_posterior(self, index, stats, lr):
         noisy_adam_step(self._means[index], self._diag_momentum[index], self._diag_fisher[index],
@@ -702,7 +702,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 total += block.state["kl_offset"]
         if self._fallback:
             total += _diagonal.kl_to_isotropic_prior(
-                [self._means[i] for i in self._fallback], [self._stddev(i) for i in self._fallback],
+                [self._means[i] for i in self._fallback], [self._variance(i) for i in self._fallback],
                 self.prior_variance)
         return total
 
