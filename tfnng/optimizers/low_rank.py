@@ -102,8 +102,10 @@ class SLANG(FlatPosteriorOptimizer):
         return self._low_rank / tf.sqrt(scale), self._diagonal / scale
 
     def _kl(self, mean):
-        low_rank, diagonal = self._scaled_factors()
-        return _low_rank.kl_to_isotropic_prior(mean, low_rank, diagonal, self.prior_variance)
+        diagonal = tf.convert_to_tensor(self._diagonal)
+        return _low_rank.kl_to_isotropic_prior(mean, tf.convert_to_tensor(self._low_rank), diagonal,
+                                               self.prior_variance,
+                                               self._covariance_scale_as(diagonal.dtype))
 
     def _distribution(self, mean):
         low_rank, diagonal = self._scaled_factors()

@@ -320,23 +320,37 @@ def marginal_variances(low_rank, diagonal):
 
 def log_det_precision(low_rank, diagonal):
     """``log det(U U^T + diag d)`` by the matrix determinant lemma, O(D L^2)."""
-    chol = _capacitance_cholesky(low_rank / diagonal[:, None], low_rank)
+    return _log_det_from_capacitance(_capacitance_cholesky(low_rank / diagonal[:, None], low_rank),
+                                     diagonal)
+
+
+def _log_det_from_capacitance(chol, diagonal):
+    """``log det(U U^T + diag d) = sum(log d) + log det(I + U^T diag(d)^-1 U)``, given the Cholesky
+    factor of the latter (the capacitance)."""
     return (tf.reduce_sum(tf.math.log(diagonal))
             + 2.0 * tf.reduce_sum(tf.math.log(tf.linalg.diag_part(chol))))
 
 
-def kl_to_isotropic_prior(mean, low_rank, diagonal, prior_variance):
-    """KL( N(mu, (U U^T + diag d)^-1) || N(0, eta I) ) in closed form, O(D L^2).
+def kl_to_isotropic_prior(mean, low_rank, diagonal, prior_variance, covariance_scale=1.0):
+    """KL( N(mu, c (U U^T + diag d)^-1) || N(0, eta I) ) in closed form, O(D L^2).
 
-    ``0.5 * (tr(Sigma)/eta + mu^T mu/eta - D + D log eta + log det(U U^T + diag d))``, the KL term of
-    the ELBO (SLANG eq. 1) for the isotropic prior of SLANG sec. 2 (precision ``1/eta``).
+    ``0.5 * (c tr(P^-1)/eta + mu^T mu/eta - D + D log(eta/c) + log det P)`` with ``P = U U^T + diag d``,
+    the KL term of the ELBO (SLANG eq. 1) for the isotropic prior of SLANG sec. 2 (precision
+    ``1/eta``). With ``W = diag(d)^-1 U`` and the capacitance ``C = I + U^T W``, Woodbury gives
+    ``tr(P^-1) = sum(1/d) - tr(C^-1 W^T W)`` and the determinant lemma ``log det P = sum(log d) +
+    log det C``: two (L, L) Gram products, no (D, L) solve.
     """
     dtype = diagonal.dtype
     eta = _linalg.cast(prior_variance, dtype)
+    scale = _linalg.cast(covariance_scale, dtype)
     dim = tf.cast(tf.size(diagonal), dtype)
-    trace = tf.reduce_sum(marginal_variances(low_rank, diagonal))
-    return 0.5 * (trace / eta + tf.reduce_sum(tf.square(mean)) / eta - dim + dim * tf.math.log(eta)
-                  + log_det_precision(low_rank, diagonal))
+    inverse = 1.0 / diagonal
+    scaled = low_rank * inverse[:, None]
+    chol = _capacitance_cholesky(scaled, low_rank)
+    gram = tf.matmul(scaled, scaled, transpose_a=True)
+    trace = tf.reduce_sum(inverse) - tf.linalg.trace(tf.linalg.cholesky_solve(chol, gram))
+    return 0.5 * (scale * trace / eta + tf.reduce_sum(tf.square(mean)) / eta - dim
+                  + dim * tf.math.log(eta / scale) + _log_det_from_capacitance(chol, diagonal))
 
 
 def precision_operator(low_rank, diagonal):
