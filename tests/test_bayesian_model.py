@@ -422,3 +422,57 @@ def test_failed_factorisation_keeps_the_previous_inverses():
     np.testing.assert_array_equal(block.state["a_root"].numpy(), before[1])
     optimizer.sample_weights()
     assert all(np.isfinite(v.numpy()).all() for v in net.trainable_variables)
+
+
+class _ActivationPenalty(keras.layers.Layer):
+    """``add_loss`` of a penalty on the activations passing through."""
+
+    def call(self, h):
+        self.add_loss(0.5 * tf.reduce_sum(tf.square(h)))
+        return h
+
+
+@pytest.fixture
+def float64_keras():
+    """Keras's floatx set to float64 for the test (Keras adds the regularisation losses in floatx)."""
+    keras.backend.set_floatx("float64")
+    yield
+    keras.backend.set_floatx("float32")
+
+
+@pytest.mark.parametrize("penalty", ["activity_regularizer", "add_loss", "kernel_regularizer"])
+def test_empirical_fisher_is_the_likelihoods_without_the_nets_penalties(penalty, float64_keras):
+    """Penalties are in the training loss (and its gradient), not in the likelihood whose curvature
+    the empirical Fisher estimates: S of the first layer equals the brute-force E[Ds Ds^T] of the
+    per-example log-likelihood gradients, with activity regularisers and add_loss terms in the net."""
+    keras.utils.set_random_seed(0)
+    regularizer = keras.regularizers.L2(0.5)
+    hidden = keras.layers.Dense(
+        4, activation="tanh",
+        activity_regularizer=regularizer if penalty == "activity_regularizer" else None,
+        kernel_regularizer=regularizer if penalty == "kernel_regularizer" else None)
+    layers = [keras.Input((3,)), hidden] + ([_ActivationPenalty()] if penalty == "add_loss" else [])
+    net = keras.Sequential(layers + [keras.layers.Dense(3)])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)), rng.integers(0, 3, size=8)
+    kernel, bias, out_kernel, out_bias = [w.numpy().copy() for w in net.weights]
+    # The first statistics update takes the batch's factors whole (no isotropic start).
+    optimizer = tfnng.optimizers.KFAC(learning_rate=1e-3, fisher="empirical", stats_every=1,
+                                      factor_prior_count=0)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+
+    block = optimizer._blocks[0]
+    assert block.spec.layer is hidden
+    s_factor = block.state["s"].numpy()
+    ds = []
+    for n in range(len(x)):
+        s = tf.constant(x[n:n + 1] @ kernel + bias)
+        with tf.GradientTape() as tape:
+            tape.watch(s)
+            log_p = tf.nn.log_softmax(tf.tanh(s) @ out_kernel + out_bias)[0, y[n]]
+        ds.append(tape.gradient(log_p, s).numpy()[0])
+    ds = np.array(ds)
+    np.testing.assert_allclose(s_factor, ds.T @ ds / len(x), rtol=1e-10, atol=1e-14)
+    assert net.losses          # the penalty is there, and in the training loss

@@ -35,9 +35,10 @@ An optimizer that needs more than the averaged gradient implements:
 For ``Requirements.kronecker`` each ``CapturedLayer`` holds ``inputs`` (the layer's input) and
 ``preactivation_grads``: per-example gradients of the log-likelihood with respect to the layer's
 pre-activations (true Fisher: of ``log p(y~ | x, w)`` with ``y~`` drawn by ``loss.sample`` from the
-model's predictive; empirical Fisher: of minus the training loss times the batch size, or times
+model's predictive; empirical Fisher: of minus the compiled loss times the batch size, or times
 one for a loss with ``reduction="sum"``, i.e. of the observed targets' log-likelihood when the loss
-is a negative log-likelihood). With Keras's ``sample_weight`` or ``class_weight``, example n's
+is a negative log-likelihood; the net's own losses, ``add_loss`` terms and activity regularisers,
+are left out). With Keras's ``sample_weight`` or ``class_weight``, example n's
 gradients are scaled by ``sqrt(w_n)`` (the curvature of the weighted log-likelihood; the layer
 inputs, and so K-FAC's factor A, are not weighted).
 
@@ -171,7 +172,7 @@ def _gather_over_replicas(records):
 
 
 def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weight=None,
-                            seed=None, compute_loss=None):
+                            seed=None, compute_loss=None, compute_likelihood_loss=None):
     """One forward/backward pass of ``net`` with curvature capture.
 
     Args:
@@ -187,6 +188,11 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         seed: a ``keras.random.SeedGenerator`` for the true Fisher's target samples (or None).
         compute_loss: optional ``f(y_pred) -> scalar`` training loss (default: ``loss_fn(y, y_pred,
             sample_weight)``); BayesianModel passes Keras's compiled loss.
+        compute_likelihood_loss: optional ``f(y_pred) -> scalar``, the training loss without the
+            net's own losses (``add_loss`` terms, activity regularisers); the empirical Fisher
+            differentiates it when one of those depends on a captured pre-activation, so that the
+            curvature is the likelihood's (default: ``loss_fn(y, y_pred, sample_weight)``).
+            BayesianModel passes Keras's compiled loss alone.
 
     Returns:
         ``(loss, y_pred, grads, captured)`` with ``grads`` aligned with ``net.trainable_variables``.
@@ -204,11 +210,20 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             y_pred = net(x, training=True)
         loss = (compute_loss(y_pred) if compute_loss is not None
                 else loss_fn(y, y_pred, sample_weight=sample_weight))
+        # The net's own losses (add_loss, activity and weight regularisers) are in the training
+        # loss, not in the likelihood whose curvature the empirical Fisher estimates.
+        penalties = list(net.losses) if compute_loss is not None else []
+        likelihood_loss = None
+        if penalties and requirements.fisher == "empirical" and capture.specs:
+            likelihood_loss = (compute_likelihood_loss(y_pred) if compute_likelihood_loss is not None
+                               else loss_fn(y, y_pred, sample_weight=sample_weight))
         # Keras optimizers scale the loss under mixed precision; protocol stand-ins need not.
         scale_loss = getattr(optimizer, "scale_loss", None)
         loss_scale = tf.ones((), loss.dtype) if scale_loss is None else scale_loss(
             tf.ones((), loss.dtype))
         scaled_loss = loss * loss_scale
+        if likelihood_loss is not None:
+            likelihood_loss = likelihood_loss * loss_scale
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
             _single_likelihood(loss_fn, "The true Fisher, which samples targets from the model's "
@@ -224,6 +239,13 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             fisher_ll = tf.reduce_sum(log_probs)
     records = capture.captured() if capture.specs else {}
     zeros = [r.zero for r in records.values()]
+    if likelihood_loss is not None and zeros:
+        # A penalty that reaches a pre-activation (activity regulariser, add_loss on activations)
+        # needs a backward pass of the likelihood alone; weight penalties do not. (Unused, the
+        # penalty's gradients are pruned from the traced graph.)
+        penalty = tf.add_n([tf.cast(term, loss.dtype) for term in penalties])
+        if all(g is None for g in tape.gradient(penalty, zeros)):
+            likelihood_loss = None
     all_grads = tape.gradient(scaled_loss, variables + zeros)
     grads = all_grads[:len(variables)]          # None for unconnected variables, as in Keras
     all_grads = all_grads[:len(variables)] + [
@@ -242,7 +264,15 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
             # Unscaled in the loss's dtype (float32 also when the activations are float16).
             factor = _empirical_factor(loss_fn, batch) / loss_scale
-            pre_grads = [tf.cast(g, loss.dtype) * factor for g in all_grads[len(variables):]]
+            if likelihood_loss is not None:
+                likelihood_grads = tf.cond(
+                    due,
+                    lambda: tape.gradient(likelihood_loss, zeros,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO),
+                    lambda: [tf.zeros_like(z) for z in zeros])
+            else:
+                likelihood_grads = all_grads[len(variables):]
+            pre_grads = [tf.cast(g, loss.dtype) * factor for g in likelihood_grads]
             if weights is not None:     # the loss weighs example n by w_n; the statistics sqrt(w_n)
                 roots = tf.sqrt(tf.cast(weights, loss.dtype))
                 inverse_roots = tf.math.divide_no_nan(tf.ones_like(roots), roots)
@@ -401,9 +431,13 @@ class BayesianModel(keras.Model):
                 return self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                           training=True)
 
+            def compute_likelihood_loss(y_pred):     # the compiled loss without the net's losses
+                return self._compile_loss(y, y_pred, sample_weight)
+
             nll, y_pred, grads, captured = gradients_and_curvature(
                 self.net, self._layer_capture, optimizer, self.loss, x, y, sample_weight,
-                seed=self._fisher_seed, compute_loss=compute_loss)
+                seed=self._fisher_seed, compute_loss=compute_loss,
+                compute_likelihood_loss=compute_likelihood_loss if self._compile_loss is not None else None)
             variables = self.net.trainable_variables
             unwrap_optimizer(optimizer).receive_curvature(captured)
             optimizer.apply_gradients(zip(grads, variables))
