@@ -269,6 +269,39 @@ def test_kronecker_family_at_its_initial_posterior_matches_the_closed_form(tmp_p
         assert np.all(np.abs(epistemic - exact_variance) <= variance_tolerance)
 
 
+class _MCDropout(keras.layers.Dropout):
+    """Dropout kept on at inference (MC dropout)."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=True)
+
+
+def test_layers_drawing_random_numbers_at_inference_draw_afresh_for_every_sample(tmp_path):
+    """An MC-dropout layer before a linear layer, row i of the inputs the unit vector e_i: sample s of
+    output i is m_i w_i + b with a fresh mask m_i in {0, 2} (rate 0.5) per sample, so the predictive
+    mean is mu_i + mu_b and its variance mu_i^2 + 2 sigma_i^2 + sigma_b^2 (one mask for every sample
+    would give mean 2 mu_i + mu_b or mu_b and variance 4 sigma_i^2 + sigma_b^2 or sigma_b^2)."""
+    keras.utils.set_random_seed(4)
+    dim, num_samples = 6, 2000
+    net = keras.Sequential([keras.Input((dim,)), _MCDropout(0.5),
+                            keras.layers.Dense(1, kernel_initializer="ones")])
+    optimizer = tfnng.optimizers.NoisyAdam(num_examples=50, prior_variance=0.5)
+    net.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    optimizer.build(net.trainable_variables)
+    serving.export(net, tmp_path / "mc_dropout", num_samples=num_samples,
+                   outputs=("mean", "epistemic_variance"))
+    loaded = tf.saved_model.load(str(tmp_path / "mc_dropout"))
+    dense = net.layers[-1]
+    mu, sigma = (f(dense.kernel).numpy()[:, 0] for f in (optimizer.posterior_mean, optimizer.posterior_stddev))
+    mu_b, sigma_b = (f(dense.bias).numpy()[0] for f in (optimizer.posterior_mean, optimizer.posterior_stddev))
+    exact_mean, exact_variance = mu + mu_b, mu ** 2 + 2 * sigma ** 2 + sigma_b ** 2
+    for seed in (SEED_A, SEED_B):
+        out = loaded.seeded(tf.constant(np.eye(dim, dtype=np.float32)), tf.constant(seed, tf.int64))
+        mean, variance = out["mean"].numpy()[:, 0], out["epistemic_variance"].numpy()[:, 0]
+        assert np.all(np.abs(mean - exact_mean) <= 5.0 * np.sqrt(exact_variance / num_samples))
+        np.testing.assert_allclose(variance, exact_variance, rtol=0.2)
+
+
 # ----------------------------------------------------------------------------------- bad input
 def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
     regression, classifier = exported["regression"].model, exported["classifier"].model

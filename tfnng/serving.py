@@ -271,6 +271,18 @@ def _tensor_specs(model):
             tf.TensorSpec(output.shape, output.dtype))
 
 
+# Folded into each sample's seed for the states of the model's Keras seed generators (a stream
+# apart from the weight noise's).
+_GENERATOR_STREAM = 1
+
+
+def _seed_generator_states(model):
+    """Indices in ``model.non_trainable_variables`` of the states of Keras ``SeedGenerator`` s (the
+    variables Keras names ``seed_generator_state``)."""
+    return [i for i, v in enumerate(model.non_trainable_variables)
+            if v.name == "seed_generator_state"]
+
+
 def _batch_major(samples):
     """``(S, N, ...)`` -> ``(N, S, ...)``."""
     return tf.transpose(samples, [1, 0] + list(range(2, samples.shape.rank)))
@@ -287,6 +299,7 @@ class _Predictive(tf.Module):
         # The Keras model and the likelihood are captured by closure: needed only while tracing.
         num_trainable = len(model.trainable_variables)
         num_noise = sum(len(sampler.noise_specs) for sampler in self.samplers)
+        generator_states = _seed_generator_states(model)
 
         def forward_at_sample(inputs, seed):
             """Network outputs at one weight sample drawn with the stateless ``seed``."""
@@ -298,6 +311,14 @@ class _Predictive(tf.Module):
                     for spec in sampler.noise_specs]))
             trainable = [values[k] for k in range(num_trainable)]
             non_trainable = [tf.convert_to_tensor(v) for v in self.non_trainable]
+            if generator_states:
+                # Layers drawing random numbers at inference (an MC-dropout layer) start from a
+                # state derived from the sample's seed: fresh per sample and per request.
+                states = tf.random.experimental.stateless_split(
+                    tf.random.experimental.stateless_fold_in(seed, _GENERATOR_STREAM),
+                    len(generator_states))
+                for k, index in enumerate(generator_states):
+                    non_trainable[index] = tf.cast(states[k], non_trainable[index].dtype)
             return model.stateless_call(trainable, non_trainable, inputs, training=False)[0]
 
         def predictive(inputs, seed):
