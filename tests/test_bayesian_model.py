@@ -434,10 +434,14 @@ class _ActivationPenalty(keras.layers.Layer):
 
 @pytest.fixture
 def float64_keras():
-    """Keras's floatx set to float64 for the test (Keras adds the regularisation losses in floatx)."""
+    """Keras's floatx and dtype policy set to float64 for the test (Keras adds the regularisation
+    losses in floatx; a policy set by an earlier test would override floatx)."""
+    floatx, policy = keras.backend.floatx(), keras.config.dtype_policy()
     keras.backend.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
-    keras.backend.set_floatx("float32")
+    keras.backend.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)
 
 
 @pytest.mark.parametrize("penalty", ["activity_regularizer", "add_loss", "kernel_regularizer"])
