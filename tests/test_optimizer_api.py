@@ -422,3 +422,32 @@ def test_embedding_models_train_in_fit_and_through_bayesian_model():
         history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
         assert np.isfinite(history["loss"]).all() and optimizer.skipped_updates == 0
         assert int(optimizer._update_count.numpy()) == 8
+
+
+def test_mc_sums_of_a_variable_without_gradient_at_the_groups_last_evaluation_do_not_carry_over():
+    """mc_samples=3 in a hand-written loop: a Bayesian and a point-estimated variable have gradients
+    at the first two evaluations of a group, none at the third. They get no update for the group
+    (as a variable without a gradient at mc_samples=1), and the next group averages its own three
+    gradients only."""
+    w1 = tf.Variable([0.5, -0.5], name="w1")
+    w2 = tf.Variable([0.2, 0.3], name="w2")
+    w3 = tfnng.mark_point_estimate(tf.Variable([0.1, 0.1], name="w3"))
+    optimizer = tfnng.optimizers.Vprop(learning_rate=0.1, num_examples=10, mc_samples=3, seed=0)
+    for step, used in enumerate([True, True, False, True, True]):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w1 ** 2) + (tf.reduce_sum(w2) + tf.reduce_sum(w3) if used else 0.0)
+        optimizer.apply_gradients(zip(tape.gradient(loss, [w1, w2, w3]), [w1, w2, w3]))
+        if step == 2:
+            assert int(optimizer._update_count) == 1
+            np.testing.assert_array_equal(optimizer._accumulators["grad"][1].numpy(), 0.0)
+            np.testing.assert_array_equal(optimizer._point_gradient_sums[2].numpy(), 0.0)
+    np.testing.assert_array_equal(optimizer._accumulators["grad"][1].numpy(), 2.0)   # 2 of group 2
+    np.testing.assert_array_equal(optimizer._point_gradient_sums[2].numpy(), 2.0)
+
+
+def test_posterior_access_before_build_is_a_clear_error():
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = tfnng.optimizers.NoisyAdam(0.05, num_examples=4)
+    for access in (optimizer.posterior_mean, optimizer.posterior_stddev):
+        with pytest.raises(ValueError, match="no posterior yet"):
+            access(net.trainable_variables[0])

@@ -160,7 +160,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         prior_variance: eta of the prior N(0, eta I). Default 1.
         prior_precision: 1/eta, accepted instead of ``prior_variance`` (never both).
         kl_weight: lambda, the weight of the KL term (lambda < 1 tempers the posterior). Default 1.
-        mc_samples: number of weight samples (gradient evaluations) averaged per update. Default 1.
+        mc_samples: number of weight samples (gradient evaluations) averaged per update (a missing
+            gradient counts as zero; a variable without one at the last evaluation of the group
+            is not updated for it). Default 1.
         seed: seed of the optimizer's weight-noise generator (int or None).
         nonfinite: what an update whose gradients or curvature statistics contain NaN or Inf does:
             ``"skip"`` (default) or ``"raise"`` (see below).
@@ -346,6 +348,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         object.__setattr__(self, "_step_flags", (finite, apply_now))
         self._backend_update_step(grads, trainable_variables, self.learning_rate)
         if self.mc_samples > 1:
+            self._drop_partial_sums(trainable_variables, apply_now)
             self._mc_count.assign(tf.where(apply_now, tf.zeros_like(self._mc_count),
                                            self._mc_count + tf.cast(finite, tf.int64)))
         self._update_count.assign_add(tf.cast(apply_now, tf.int64))
@@ -365,6 +368,20 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             # Host callback on the (rare) skipping branch only.
             tf.cond(finite, lambda: tf.constant(True),
                     lambda: tf.py_function(warn, [flags, self._skipped], tf.bool))
+
+    def _drop_partial_sums(self, trainable_variables, apply_now):
+        """Resets, on the last evaluation of an ``mc_samples`` group, the Monte Carlo sums of the
+        variables that have no gradient at that evaluation (Keras leaves them out of the step):
+        like a variable without a gradient at ``mc_samples=1``, they get no update for the group,
+        and their partial sums do not carry over into the next group."""
+        present = {self._get_variable_index(v) for v in trainable_variables}
+        for index in range(len(self._point_gradient_sums)):
+            if index in present:
+                continue
+            for total in [self._point_gradient_sums[index]] + [
+                    totals[index] for totals in self._accumulators.values()]:
+                if total is not None:
+                    total.assign(tf.where(apply_now, tf.zeros_like(total), total))
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         """Update in the current replica context (Keras's TF backend would all-reduce again): the
@@ -487,7 +504,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     def posterior_mean(self, variable):
         """Posterior mean mu of a model variable."""
-        return tf.convert_to_tensor(self._means[self._posterior_index(variable)])
+        index = self._posterior_index(variable)       # a clear error before build
+        return tf.convert_to_tensor(self._means[index])
 
     def posterior_stddev(self, variable):
         """Posterior standard deviation sigma of a model variable (zeros for point estimates)."""

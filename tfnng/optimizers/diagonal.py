@@ -58,8 +58,10 @@ class NoisyAdam(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
     size, Khan et al. 2018 Thm. 1). With ``fisher="true"`` (targets sampled from the model's
     predictive, NNG footnote 1) or ``"empirical"`` (observed targets) the model must be a
     :class:`tfnng.BayesianModel`: Dense and Conv2D weights then use the mean of squared per-example
-    gradients (:func:`tfnng.curvature.per_example.layer_squared_gradient_means`); other layers keep
-    the approximation (use :class:`VOGN` for per-example gradients of every layer).
+    gradients (:func:`tfnng.curvature.per_example.layer_squared_gradient_means`); other layers use
+    the squared batch gradient of each weight sample (averaged over the ``mc_samples`` evaluations,
+    where ``fisher=None`` squares their averaged gradient; use :class:`VOGN` for per-example
+    gradients of every layer).
 
     Args:
         extrinsic_damping: gamma_ex, added to the damping of the mean step only (NNG sec. 3.2).
