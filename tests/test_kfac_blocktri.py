@@ -2,6 +2,7 @@
 block-tridiagonal matrix built from its own factors, and its samples' covariance."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import keras
 
@@ -109,3 +110,58 @@ def test_subclassed_dense_stack_is_chained_from_its_build_shapes():
     model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
     model.fit(np.ones((10, 3), "float32"), np.ones((10, 1), "float32"), batch_size=5, verbose=0)
     assert [len(chain) for chain in optimizer._chains] == [3]
+
+
+def _dense(name, units, activation="tanh"):
+    return keras.layers.Dense(units, activation=activation, name=name)
+
+
+class PermutedStack(keras.Model):
+    """Layers created in the order d0, d2, d1, d3 and called in the order d0, d1, d2, d3."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_name = {name: _dense(name, units) for name, units in
+                        (("d0", 4), ("d2", 4), ("d1", 5), ("d3", 1))}
+
+    def call(self, x):
+        for name in ("d0", "d1", "d2", "d3"):
+            x = self.by_name[name](x)
+        return x
+
+
+def _nested():
+    """d0, then a nested Sequential d1-d2 (Keras flattens nested layers in reverse), then d3."""
+    inputs = keras.Input((3,))
+    inner = keras.Sequential([keras.Input((4,)), _dense("d1", 5), _dense("d2", 4)])
+    return keras.Model(inputs, _dense("d3", 1)(inner(_dense("d0", 4)(inputs))))
+
+
+def _branches():
+    """d0 feeds two parallel layers a and b, concatenated into d3: no layer follows d0 alone."""
+    inputs = keras.Input((3,))
+    h = _dense("d0", 4)(inputs)
+    merged = keras.layers.Concatenate()([_dense("a", 2)(h), _dense("b", 2)(h)])
+    return keras.Model(inputs, _dense("d3", 1)(_dense("d4", 2)(merged)))
+
+
+@pytest.mark.parametrize("make_net, chains", [
+    (PermutedStack, [["d0", "d1", "d2", "d3"]]),
+    (_nested, [["d0", "d1", "d2", "d3"]]),
+    (_branches, [["d4", "d3"]]),
+])
+def test_chains_follow_the_data_flow_not_the_order_of_creation(make_net, chains):
+    """Chains link a layer to the one its output feeds, whatever the order in which the layers were
+    created or nested; parallel layers are not chained (the order of creation gave d0-d2-d1-d3
+    for the first two, d0-a-b-d4-d3 for the branches)."""
+    keras.utils.set_random_seed(0)
+    net = make_net()
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    y = np.sin(x[:, :1])
+    net(x[:1])
+    optimizer = tfnng.optimizers.KFAC(learning_rate=0.1, damping=1e-2, stats_every=1, inverse_every=1,
+                                      block_tridiagonal=True)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert [[block.spec.layer.name for block in chain] for chain in optimizer._chains] == chains

@@ -313,6 +313,17 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, taken):
             for name, v, g in zip(names, variables, gradients)}
 
 
+def _probe_inputs(net):
+    """A batch of one zero example shaped like the net's input (its build shape), for
+    :meth:`tfnng.curvature.capture.LayerCapture.find_links`; None if the shape is unknown."""
+    shape = (net.get_build_config() or {}).get("input_shape") if net.built else None
+    if shape is None or not isinstance(shape, (tuple, list)) or not all(
+            d is None or isinstance(d, int) for d in shape):
+        return None                                     # unbuilt, or several inputs
+    dtype = net.inputs[0].dtype if getattr(net, "inputs", None) else keras.backend.floatx()
+    return tf.zeros([1] + [1 if d is None else d for d in shape[1:]], dtype)
+
+
 @keras.saving.register_keras_serializable(package="tfnng")
 class BayesianModel(keras.Model):
     """Wraps a Keras model so that curvature-hungry tfnng optimizers can train it.
@@ -383,6 +394,9 @@ class BayesianModel(keras.Model):
         if requirements is None or self._layer_capture is not None:
             return
         capture = _capture.LayerCapture(self.net)
+        probe = _probe_inputs(self.net) if requirements.layer_links else None
+        if probe is not None:
+            capture.find_links(probe)
         if requirements.kronecker or requirements.per_example_gradients:
             # The optimizer logs the layers that fall back to a diagonal posterior when it builds.
             unwrap_optimizer(self.optimizer).prepare_curvature(capture.specs)
@@ -423,6 +437,9 @@ class BayesianModel(keras.Model):
                 self.net(x, training=False)
             if self._layer_capture is None:
                 self._prepare_curvature()
+            if requirements.layer_links and any(
+                    spec.inputs_from is None for spec in self._layer_capture.specs):
+                self._layer_capture.find_links(x)      # traced: static, pruned from the step
             if not optimizer.built:
                 with keras.name_scope(optimizer.name, caller=optimizer):
                     optimizer.build(self.trainable_variables)

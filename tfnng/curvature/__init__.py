@@ -32,11 +32,15 @@ class Requirements:
             keyed by variable path. Implies ``kronecker``.
         fisher: ``"true"`` (targets sampled from the model's predictive via the loss's ``sample``,
             NNG footnote 1) or ``"empirical"`` (the observed targets).
+        layer_links: which supported layer feeds which (``LayerSpec.inputs_from``, set by
+            :meth:`tfnng.curvature.capture.LayerCapture.find_links` before ``build``): the chains
+            of the block-tridiagonal K-FAC.
     """
 
     kronecker: bool = False
     per_example_gradients: bool = False
     fisher: str = "true"
+    layer_links: bool = False
 
     def __post_init__(self):
         if self.fisher not in FISHER_TYPES:

@@ -44,6 +44,9 @@ class LayerSpec:
     ``weight_shape`` is ``(p, q)``: ``p`` input features (``kh*kw*c_in`` for Conv2D) plus one for the
     homogeneous coordinate when the layer has a bias, ``q`` outputs. The weight matrix is
     ``W = [reshape(kernel, (p - 1, q)); bias]`` (bias as the last row), or ``reshape(kernel, (p, q))``.
+    ``inputs_from``: names of the supported layers whose outputs reach this layer's input without
+    passing another supported layer (its predecessors in the forward pass), or None until
+    :meth:`LayerCapture.find_links` has traced a forward pass.
     """
 
     layer: object
@@ -51,6 +54,7 @@ class LayerSpec:
     kernel: object
     bias: object
     name: str
+    inputs_from: tuple = None
 
     @property
     def has_bias(self):
@@ -150,8 +154,25 @@ class LayerCapture:
     """Records inputs and pre-activations (via zero tensors) of the supported layers of a model."""
 
     def __init__(self, model):
+        self.model = model
         self.specs, self.fallback_layers = find_layers(model)
         self.records = {}
+
+    def find_links(self, inputs):
+        """Sets each spec's ``inputs_from`` from one forward pass of ``inputs`` (``training=False``;
+        traced inside a ``tf.function``, the pass and the connectivity tests are static and pruned):
+        layer i feeds layer j when j's input depends on i's pre-activations other than through a
+        layer that i feeds (whatever the order in which the layers were created or nested)."""
+        with tf.GradientTape(persistent=True) as tape:
+            with self.recording(tape):
+                self.model(inputs, training=False)
+        records = self.captured()
+        depends = {j: {i for i in records if i != j and tape.gradient(
+                       records[j].inputs, records[i].zero) is not None} for j in records}
+        for spec in self.specs:
+            sources = depends[spec.name]
+            spec.inputs_from = tuple(i for i in records if i in sources and not any(
+                i in depends[k] for k in sources))
 
     @contextlib.contextmanager
     def recording(self, tape):

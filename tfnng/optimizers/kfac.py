@@ -50,8 +50,8 @@ diagonal posterior updated by the noisy Adam rule (Alg. 1) with ``beta_1 = momen
 ``beta_2 = 1 - stat_decay``; variables marked as point estimates get the base class's step (Adam,
 or the natural-gradient step for natural parameters).
 
-Block-tridiagonal (``block_tridiagonal=True``, NNG sec. 3.5): consecutive Dense layers with rank-2
-inputs form chains whose posterior covariance ``(lambda/N) F_hat^-1`` is block tridiagonal
+Block-tridiagonal (``block_tridiagonal=True``, NNG sec. 3.5): Dense layers with rank-2 inputs, each
+feeding the next in the forward pass (see ``_find_chains``), form chains whose posterior covariance ``(lambda/N) F_hat^-1`` is block tridiagonal
 (Martens & Grosse 2015 sec. 4.3; derivation in :mod:`tfnng.posteriors.kronecker`). The chain's
 cross factors ``E[a_l a_l+1^T]``, ``E[Ds_l Ds_l+1^T]`` are EMAs like eq. (12); off-diagonal blocks are
 not damped. Other layers keep the MVG posterior.
@@ -183,7 +183,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     @property
     def curvature_requirements(self):
         """What the training step must provide (:class:`tfnng.curvature.Requirements`)."""
-        return _curvature.Requirements(kronecker=True, fisher=self.fisher)
+        return _curvature.Requirements(kronecker=True, fisher=self.fisher,
+                                       layer_links=self.block_tridiagonal)
 
     def curvature_due(self):
         """Whether the next ``apply_gradients`` consumes curvature statistics (bool tensor)."""
@@ -265,21 +266,33 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                             "diagonal (noisy Adam) posterior.", type(self).__name__, ", ".join(names))
 
     def _find_chains(self):
-        """Maximal runs of consecutive Dense blocks with rank-2 inputs (block-tridiagonal chains).
-
-        Consecutive in the order of the supported layers: layers without a Kronecker block in
-        between (normalisation, dropout) do not break a chain.
-        """
-        chains, current = [], []
-        for block in self._blocks:
-            if block.spec.kind == "dense" and _input_rank(block.spec.layer) == 2:
-                current.append(block)
-            else:
-                if len(current) > 1:
-                    chains.append(current)
-                current = []
-        if len(current) > 1:
-            chains.append(current)
+        """Block-tridiagonal chains: maximal paths of Dense blocks with rank-2 inputs in which each
+        block's output reaches the next block, and only it, and that block's input comes from it
+        alone (``LayerSpec.inputs_from``, found from the forward pass). Layers without a Kronecker
+        block in between (activations, normalisation, dropout, frozen layers) do not break a
+        chain; a branch, a merge, or a layer with a block of another kind does."""
+        unknown = [block.spec.name for block in self._blocks if block.spec.inputs_from is None]
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}(block_tridiagonal=True) needs to know which layers feed "
+                f"which, unknown for {unknown}. tfnng.BayesianModel finds it from the net's build "
+                "shape or its first training batch; in a hand-written loop call "
+                "`capture.find_links(x)` before `optimizer.build`.")
+        dense = {block.spec.name: block for block in self._blocks
+                 if block.spec.kind == "dense" and _input_rank(block.spec.layer) == 2}
+        following = {}
+        for name in dense:
+            fed = [block for block in self._blocks if name in block.spec.inputs_from]
+            if len(fed) == 1 and fed[0].spec.name in dense and fed[0].spec.inputs_from == (name,):
+                following[name] = fed[0]
+        followers = {id(block) for block in following.values()}
+        chains = []
+        for name, block in dense.items():
+            if name in following and id(block) not in followers:     # the head of a chain
+                chain = [block]
+                while chain[-1].spec.name in following:
+                    chain.append(following[chain[-1].spec.name])
+                chains.append(chain)
         for c, chain in enumerate(chains):
             for position, block in enumerate(chain):
                 block.chain = (c, position)
