@@ -33,7 +33,6 @@ Output names (the ``outputs`` argument selects some; shapes for inputs of batch 
 is the batch, as TF Serving's row ("instances") format requires.
 """
 
-import numbers
 
 import keras
 import numpy as np
@@ -42,7 +41,7 @@ import tensorflow as tf
 from tfnng import _random
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
-from tfnng.optimizers.base import NoisyOptimizer
+from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 from tfnng.optimizers.kfac import NoisyKFAC
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
@@ -335,13 +334,6 @@ class _Predictive(tf.Module):
                                            input_signature=[input_spec])
 
 
-def _validate_num_samples(num_samples):
-    if (isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral)
-            or num_samples < 1):
-        raise ValueError(f"`num_samples` must be an integer >= 1, got {num_samples!r}.")
-    return int(num_samples)
-
-
 def _validate_outputs(outputs, likelihood):
     available = CLASSIFICATION_OUTPUTS if likelihood.is_classification else REGRESSION_OUTPUTS
     outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
@@ -376,7 +368,7 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
             subclass that overrides its family's sampling methods).
     """
     likelihood = _likelihood_of(model, likelihood)
-    num_samples = _validate_num_samples(num_samples)
+    num_samples = _positive_int("num_samples", num_samples)      # as tfnng.predict
     outputs = _validate_outputs(outputs, likelihood)
     optimizer = _exportable_optimizer(model)
     module = _Predictive(model, optimizer, likelihood, num_samples, outputs, *_tensor_specs(model))

@@ -282,7 +282,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     @property
     def skipped_updates(self):
-        """Number of updates skipped because a gradient contained NaN or Inf."""
+        """Number of steps (gradient evaluations, with ``mc_samples > 1``) skipped because their
+        gradients or curvature statistics contained NaN or Inf."""
         return int(self._skipped.numpy()) if self.built else 0
 
     # --------------------------------------------------------------------------------- update step
