@@ -165,3 +165,36 @@ def test_chains_follow_the_data_flow_not_the_order_of_creation(make_net, chains)
     model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert [[block.spec.layer.name for block in chain] for chain in optimizer._chains] == chains
+
+
+def test_a_net_the_zero_probe_cannot_run_is_chained_from_its_first_batch():
+    """Input of unknown height and width: the compile-time probe (None as 1) fails on the 3x3
+    convolution, and the links come from the first training batch."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, None, 1))
+    h = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(2, 3)(inputs))
+    net = keras.Model(inputs, _dense("d2", 1, None)(_dense("d1", 3)(_dense("d0", 4)(h))))
+    optimizer = tfnng.optimizers.KFAC(learning_rate=0.1, damping=1e-2, block_tridiagonal=True)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(8, 6, 6, 1)), rng.normal(size=(8, 1)), batch_size=8, verbose=0)
+    assert [[block.spec.layer.name for block in chain] for chain in optimizer._chains] == [
+        ["d0", "d1", "d2"]]
+
+
+def test_a_loaded_functional_model_gets_its_chains_back(tmp_path):
+    """keras.models.load_model builds the optimizer at compile, before any batch: the links come
+    from a zero example shaped like the net's inputs, and the restored posterior is the saved one."""
+    keras.utils.set_random_seed(0)
+    optimizer = tfnng.optimizers.NoisyKFAC(num_examples=16, block_tridiagonal=True, seed=0)
+    model = tfnng.BayesianModel(_nested())
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    model.fit(x, np.sin(x[:, :1]), batch_size=8, verbose=0)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert [[b.spec.layer.name for b in chain] for chain in loaded.optimizer._chains] == [
+        ["d0", "d1", "d2", "d3"]]
+    np.testing.assert_allclose(float(loaded.optimizer.kl_divergence()), float(optimizer.kl_divergence()),
+                               rtol=1e-6)

@@ -314,14 +314,23 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, taken):
 
 
 def _probe_inputs(net):
-    """A batch of one zero example shaped like the net's input (its build shape), for
-    :meth:`tfnng.curvature.capture.LayerCapture.find_links`; None if the shape is unknown."""
-    shape = (net.get_build_config() or {}).get("input_shape") if net.built else None
-    if shape is None or not isinstance(shape, (tuple, list)) or not all(
-            d is None or isinstance(d, int) for d in shape):
-        return None                                     # unbuilt, or several inputs
-    dtype = net.inputs[0].dtype if getattr(net, "inputs", None) else keras.backend.floatx()
-    return tf.zeros([1] + [1 if d is None else d for d in shape[1:]], dtype)
+    """Zero inputs of one example shaped like the net's inputs (a functional model's input tensors,
+    else the shape a subclassed model was built with; unknown dimensions as 1), for
+    :meth:`tfnng.curvature.capture.LayerCapture.find_links`; None if unknown."""
+    if not net.built:
+        return None
+    tensors = getattr(net, "inputs", None)
+    if tensors:
+        specs = [(t.shape, t.dtype) for t in tensors]
+    else:
+        shape = (net.get_build_config() or {}).get("input_shape")
+        if not isinstance(shape, (tuple, list)) or not all(
+                d is None or isinstance(d, int) for d in shape):
+            return None                                 # not built from one input shape
+        specs = [(shape, keras.backend.floatx())]
+    probes = [tf.zeros([1] + [1 if d is None else d for d in shape[1:]], dtype)
+              for shape, dtype in specs]
+    return probes[0] if len(probes) == 1 else probes
 
 
 @keras.saving.register_keras_serializable(package="tfnng")
@@ -396,7 +405,10 @@ class BayesianModel(keras.Model):
         capture = _capture.LayerCapture(self.net)
         probe = _probe_inputs(self.net) if requirements.layer_links else None
         if probe is not None:
-            capture.find_links(probe)
+            try:
+                capture.find_links(probe)
+            except (ValueError, TypeError, tf.errors.OpError):
+                pass        # the probe's shape guess failed (None dims as 1): the first batch decides
         if requirements.kronecker or requirements.per_example_gradients:
             # The optimizer logs the layers that fall back to a diagonal posterior when it builds.
             unwrap_optimizer(self.optimizer).prepare_curvature(capture.specs)
