@@ -300,6 +300,7 @@ def test_mc_samples_average_the_evaluations_of_a_group_into_one_mean_step(block_
         net = dense_net()
         net.set_weights(init)
         capture = cap.LayerCapture(net)
+        capture.find_links(batches[0][0])
         optimizer = _NoiselessKFAC(learning_rate=0.05, num_examples=len(x), stat_decay=1.0,
                                    momentum=0.9, stats_every=1, inverse_every=2, kl_clip=0.01,
                                    fisher="empirical", block_tridiagonal=block_tridiagonal,
