@@ -253,11 +253,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     due = unwrap_optimizer(optimizer).curvature_due()
     if zeros:
         if requirements.fisher == "true":
-            pre_grads = tf.cond(
-                due,
-                lambda: tape.gradient(fisher_ll, zeros,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO),
-                lambda: [tf.zeros_like(z) for z in zeros])
+            pre_grads = _gradients_when_due(tape, fisher_ll, zeros, due)
         else:
             # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
             batch = tf.cast(tf.shape(zeros[0])[0] * _num_replicas(), loss.dtype)
@@ -265,11 +261,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             # Unscaled in the loss's dtype (float32 also when the activations are float16).
             factor = _empirical_factor(loss_fn, batch) / loss_scale
             if likelihood_loss is not None:
-                likelihood_grads = tf.cond(
-                    due,
-                    lambda: tape.gradient(likelihood_loss, zeros,
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO),
-                    lambda: [tf.zeros_like(z) for z in zeros])
+                likelihood_grads = _gradients_when_due(tape, likelihood_loss, zeros, due)
             else:
                 likelihood_grads = all_grads[len(variables):]
             pre_grads = [tf.cast(g, loss.dtype) * factor for g in likelihood_grads]
@@ -283,6 +275,15 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         records.update(_generic_records(net, loss_fn, x, targets, generic, due, weights,
                                         taken=list(records)))
     return loss, y_pred, grads, _gather_over_replicas(records)
+
+
+def _gradients_when_due(tape, target, zeros, due):
+    """Gradients of ``target`` with respect to the captured zero tensors, a second backward pass
+    run only when the statistics are ``due`` (zeros otherwise)."""
+    return tf.cond(due,
+                   lambda: tape.gradient(target, zeros,
+                                         unconnected_gradients=tf.UnconnectedGradients.ZERO),
+                   lambda: [tf.zeros_like(z) for z in zeros])
 
 
 def _generic_variables(capture, variables):
