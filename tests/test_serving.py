@@ -292,8 +292,9 @@ def test_layers_drawing_random_numbers_at_inference_draw_afresh_for_every_sample
                    outputs=("mean", "epistemic_variance"))
     loaded = tf.saved_model.load(str(tmp_path / "mc_dropout"))
     dense = net.layers[-1]
-    mu, sigma = (f(dense.kernel).numpy()[:, 0] for f in (optimizer.posterior_mean, optimizer.posterior_stddev))
-    mu_b, sigma_b = (f(dense.bias).numpy()[0] for f in (optimizer.posterior_mean, optimizer.posterior_stddev))
+    access = (optimizer.posterior_mean, optimizer.posterior_stddev)
+    mu, sigma = (f(dense.kernel).numpy()[:, 0] for f in access)
+    mu_b, sigma_b = (f(dense.bias).numpy()[0] for f in access)
     exact_mean, exact_variance = mu + mu_b, mu ** 2 + 2 * sigma ** 2 + sigma_b ** 2
     for seed in (SEED_A, SEED_B):
         out = loaded.seeded(tf.constant(np.eye(dim, dtype=np.float32)), tf.constant(seed, tf.int64))

@@ -467,7 +467,8 @@ class BayesianModel(keras.Model):
             nll, y_pred, grads, captured = gradients_and_curvature(
                 self.net, self._layer_capture, optimizer, self.loss, x, y, sample_weight,
                 seed=self._fisher_seed, compute_loss=compute_loss,
-                compute_likelihood_loss=compute_likelihood_loss if self._compile_loss is not None else None)
+                compute_likelihood_loss=(compute_likelihood_loss if self._compile_loss is not None
+                                         else None))
             variables = self.net.trainable_variables
             unwrap_optimizer(optimizer).receive_curvature(captured)
             optimizer.apply_gradients(zip(grads, variables))

@@ -51,8 +51,9 @@ diagonal posterior updated by the noisy Adam rule (Alg. 1) with ``beta_1 = momen
 or the natural-gradient step for natural parameters).
 
 Block-tridiagonal (``block_tridiagonal=True``, NNG sec. 3.5): Dense layers with rank-2 inputs, each
-feeding the next in the forward pass (see ``_find_chains``), form chains whose posterior covariance ``(lambda/N) F_hat^-1`` is block tridiagonal
-(Martens & Grosse 2015 sec. 4.3; derivation in :mod:`tfnng.posteriors.kronecker`). The chain's
+feeding the next in the forward pass (see ``_find_chains``), form chains whose posterior covariance
+``(lambda/N) F_hat^-1`` is block tridiagonal (Martens & Grosse 2015 sec. 4.3; derivation in
+:mod:`tfnng.posteriors.kronecker`). The chain's
 cross factors ``E[a_l a_l+1^T]``, ``E[Ds_l Ds_l+1^T]`` are EMAs like eq. (12); off-diagonal blocks are
 not damped. Other layers keep the MVG posterior.
 """
