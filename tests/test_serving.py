@@ -329,8 +329,13 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
     plain.compile(optimizer="adam", loss=tfnng.losses.GaussianNLL())
     with pytest.raises(ValueError, match="tfnng optimizer.*Adam"):
         serving.export(plain, path)
-    with pytest.raises(ValueError, match="likelihood"):
+    with pytest.raises(ValueError, match="serving.export needs a likelihood"):
         serving.export(net(), path)                              # not compiled at all
+    inner = net()
+    tfnng.BayesianModel(inner).compile(optimizer=tfnng.optimizers.VOGN(num_examples=10),
+                                       loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match="without an optimizer.*through the BayesianModel"):
+        serving.export(inner, path, likelihood=tfnng.losses.GaussianNLL())
     untrained = net()
     untrained.compile(optimizer=tfnng.optimizers.IVON(num_examples=10),
                       loss=tfnng.losses.GaussianNLL())

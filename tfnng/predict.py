@@ -47,11 +47,11 @@ class Predictive:
         return _metrics.log_mean_exp_log_likelihood(per_sample)
 
 
-def _likelihood_of(model, likelihood):
+def _likelihood_of(model, likelihood, caller="tfnng.predict"):
     likelihood = likelihood if likelihood is not None else getattr(model, "loss", None)
     if not all(hasattr(likelihood, attr) for attr in ("log_prob", "is_classification")):
         raise ValueError(
-            "tfnng.predict needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
+            f"{caller} needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
             f"pass `likelihood=` or compile the model with one. Got {likelihood!r}.")
     return likelihood
 

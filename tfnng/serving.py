@@ -180,9 +180,12 @@ _FAMILY_SAMPLERS = ((NoisyKFAC, ("sample_weights", "_draw", "_draw_blocks", "_sa
 def _exportable_optimizer(model):
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     if not isinstance(optimizer, NoisyOptimizer):
+        got = ("a model without an optimizer (not compiled; the net inside a tfnng.BayesianModel "
+               "is exported through the BayesianModel)" if optimizer is None
+               else f"optimizer {type(optimizer).__name__}")
         raise ValueError(
             "tfnng.serving.export needs a model compiled with a tfnng optimizer (its posterior is "
-            f"what gets exported); got optimizer {type(optimizer).__name__}.")
+            f"what gets exported); got {got}.")
     family, methods = next((family, methods) for family, methods in _FAMILY_SAMPLERS
                            if isinstance(optimizer, family))
     overridden = [m for m in methods if getattr(type(optimizer), m) is not getattr(family, m)]
@@ -367,7 +370,7 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
             posterior cannot be sampled in the graph (not a tfnng optimizer, not trained, or a
             subclass that overrides its family's sampling methods).
     """
-    likelihood = _likelihood_of(model, likelihood)
+    likelihood = _likelihood_of(model, likelihood, caller="tfnng.serving.export")
     num_samples = _positive_int("num_samples", num_samples)      # as tfnng.predict
     outputs = _validate_outputs(outputs, likelihood)
     optimizer = _exportable_optimizer(model)
