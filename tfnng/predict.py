@@ -109,7 +109,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     finally:
         for variable, value in zip(variables, saved):
             variable.assign(value)
-    return _summarise(_at_least_float32(np.stack(outputs)).numpy(), likelihood, return_samples)
+    return _summarise(np.stack(outputs), likelihood, return_samples)
 
 
 def _frozen_variables(model, optimizer):
@@ -216,8 +216,9 @@ def predictive_moments(outputs, likelihood):
 
 
 def _summarise(outputs, likelihood, return_samples):
+    outputs = _at_least_float32(outputs)        # once, for the moments and for log_likelihood
     moments = {name: value.numpy() for name, value in predictive_moments(outputs, likelihood).items()}
-    result = Predictive(outputs=outputs, likelihood=likelihood)
+    result = Predictive(outputs=outputs.numpy(), likelihood=likelihood)
     for field in ("probs", "mean", "epistemic_variance", "aleatoric_variance", "variance"):
         setattr(result, field, moments.get(field))
     if return_samples:

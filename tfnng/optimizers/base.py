@@ -376,7 +376,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         like a variable without a gradient at ``mc_samples=1``, they get no update for the group,
         and their partial sums do not carry over into the next group."""
         present = {self._get_variable_index(v) for v in trainable_variables}
-        for index in range(len(self._point_gradient_sums)):
+        for index in range(len(self._trainable_variables)):
             if index in present:
                 continue
             for total in [self._point_gradient_sums[index]] + [
