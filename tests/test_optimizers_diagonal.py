@@ -40,8 +40,9 @@ def run_tfnng(optimizer, steps, eps):
     return np.array(means), np.array(stds)
 
 
-def run_reference(update, stddev, state, steps, mc_samples, eps, lr):
-    """Generic loop: first gradient at the mean, then at mu + sigma * eps; MC averages per update."""
+def run_reference(update, stddev, state, steps, mc_samples, eps, lr, clip=lambda g: g):
+    """Generic loop: first gradient at the mean, then at mu + sigma * eps; MC averages per update
+    (of the gradients after ``clip``)."""
     mu = np.full(C.shape, 0.2)
     w = mu.copy()
     queue = list(eps)
@@ -49,7 +50,7 @@ def run_reference(update, stddev, state, steps, mc_samples, eps, lr):
     for t in range(1, steps + 1):
         grads, samples = [], []
         for _ in range(mc_samples):
-            grads.append(loss_grad(w))
+            grads.append(clip(loss_grad(w)))
             samples.append(w)
             if len(grads) < mc_samples:
                 w = mu + stddev(state) * queue.pop(0)
@@ -167,6 +168,26 @@ def test_update_matches_numpy_reference(method, mc_samples):
     np.testing.assert_allclose(got_means, want_means, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(got_stds, want_stds, rtol=1e-9)
     assert not np.allclose(got_means[0], got_means[-1])  # the reference comparison is not vacuous
+
+
+def test_clipnorm_clips_each_monte_carlo_evaluation():
+    """With mc_samples > 1, ``clipnorm`` clips every gradient evaluation before it enters the
+    Monte Carlo statistics (so the squared gradients are those of clipped gradients too)."""
+    steps, mc_samples, max_norm = 6, 3, 0.5
+    eps = noise_stream(steps, mc_samples)
+    optimizer = tfnng.optimizers.NoisyAdam(
+        learning_rate=0.05, beta_1=0.9, beta_2=0.99, extrinsic_damping=0.01, hess_init=0.1,
+        mc_samples=mc_samples, clipnorm=max_norm, **COMMON)
+    got_means, got_stds = run_tfnng(optimizer, steps, eps)
+
+    def clip(g):
+        return g * min(1.0, max_norm / np.linalg.norm(g))
+    update, stddev, state = noisy_adam_reference()
+    want_means, want_stds = run_reference(update, stddev, state, steps, mc_samples, eps,
+                                          float(np.float32(0.05)), clip)
+    assert np.linalg.norm(loss_grad(np.full(C.shape, 0.2))) > 2 * max_norm   # the clip binds
+    np.testing.assert_allclose(got_means, want_means, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(got_stds, want_stds, rtol=1e-6)
 
 
 @pytest.mark.parametrize("method", sorted(CASES))

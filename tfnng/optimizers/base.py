@@ -167,6 +167,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         nonfinite: what an update whose gradients or curvature statistics contain NaN or Inf does:
             ``"skip"`` (default) or ``"raise"`` (see below).
         **kwargs: the usual Keras optimizer arguments (``clipnorm``, ``global_clipnorm``, ``name``...).
+            With ``mc_samples > 1`` the clipping applies to each gradient evaluation, before its
+            statistics enter the Monte Carlo average (Keras's ``gradient_accumulation_steps`` clip
+            the average instead).
 
     Non-finite values: the gradients and the curvature statistics handed over for the step (layer
     inputs, pre-activation and per-example gradients, see :mod:`tfnng.models`) are checked before
