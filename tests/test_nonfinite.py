@@ -3,6 +3,7 @@ or in curvature statistics never reaches the posterior; "skip" counts and warns,
 before any state changes, and bad policy values are rejected."""
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -118,9 +119,35 @@ def test_skip_warnings_repeat_at_powers_of_two_in_a_tape_loop(caplog):
     assert optimizer.skipped_updates == 5
     assert_same_state(before, posterior_state(optimizer), ignore=SKIP_CHANGES)
     messages = tfnng_warnings(caplog)
-    assert [int(m.split("(")[1].split()[0]) for m in messages] == [1, 2, 4]
+    assert [int(re.search(r"\((\d+) updates skipped", m).group(1)) for m in messages] == [1, 2, 4]
     assert all("the gradient of w:0" in m for m in messages)
     assert np.isfinite(w.numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["NoisyAdam", "Vadam", "Vprop", "VadaGrad", "IVON"])
+def test_finite_gradient_with_overflowing_square_is_not_applied(name):
+    """1e20 is a finite float32 whose square is Inf: squared into the Fisher/Hessian estimate it
+    would freeze the posterior (NoisyAdam: standard deviation 0 forever); it is skipped or raised
+    like a NaN."""
+    huge = tf.constant([1e20, 1.0, 1.0])
+    assert np.isfinite(huge.numpy()).all() and not np.isfinite(np.square(huge.numpy())).all()
+    for policy in ("skip", "raise"):
+        w = tf.Variable(tf.ones((3,)), name="w")
+        optimizer = getattr(tfnng.optimizers, name)(learning_rate=0.01, num_examples=100, seed=1,
+                                                    nonfinite=policy)
+        optimizer.apply_gradients([(tf.ones_like(w), w)])
+        before = posterior_state(optimizer)
+        if policy == "skip":
+            optimizer.apply_gradients([(huge, w)])
+            assert optimizer.skipped_updates == 1
+        else:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="overflowing square"):
+                optimizer.apply_gradients([(huge, w)])
+        assert_same_state(before, posterior_state(optimizer),
+                          ignore=SKIP_CHANGES if policy == "skip" else ())
+        optimizer.apply_gradients([(tf.ones_like(w), w)])
+        assert np.all(optimizer.posterior_stddev(w).numpy() > 0)
+        assert np.isfinite(optimizer.posterior_mean(w).numpy()).all()
 
 
 def test_raise_in_fit_names_the_variable_and_changes_nothing():

@@ -173,7 +173,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     Non-finite values: the gradients and the curvature statistics handed over for the step (layer
     inputs, pre-activation and per-example gradients, see :mod:`tfnng.models`) are checked before
-    any state changes. ``nonfinite="skip"``: the update is skipped as a whole (mean and curvature keep
+    any state changes, by their sums of squares (float32 or wider): a tensor fails when it holds
+    NaN or Inf, or values so large that their squares overflow (float32: ``|x|`` of about 1e19),
+    which would otherwise put Inf into the curvature and freeze the posterior there. ``nonfinite="skip"``: the update is skipped as a whole (mean and curvature keep
     their values, a fresh sample is drawn), counted in ``skipped_updates`` and logged as a warning on
     the ``"tfnng"`` logger naming the offending tensors (at the 1st, 2nd, 4th, 8th... skip; not from
     a step compiled with XLA, which cannot call back into Python). ``nonfinite="raise"``: the step
@@ -286,7 +288,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     @property
     def skipped_updates(self):
         """Number of steps (gradient evaluations, with ``mc_samples > 1``) skipped because their
-        gradients or curvature statistics contained NaN or Inf."""
+        gradients or curvature statistics contained NaN or Inf (or overflowing squares)."""
         return int(self._skipped.numpy()) if self.built else 0
 
     # --------------------------------------------------------------------------------- update step
@@ -319,6 +321,14 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                         if getattr(record, field, None) is not None]
         return [(what, tf.convert_to_tensor(t)) for what, t in checked if t.dtype.is_floating]
 
+    @staticmethod
+    def _half_sum_of_squares(tensor):
+        """``sum(t^2) / 2`` in at least float32: not finite when ``t`` holds NaN or Inf, or values
+        whose squares (the curvature statistics square gradients and activations) overflow."""
+        if tensor.dtype.size < 4:
+            tensor = tf.cast(tensor, tf.float32)
+        return tf.nn.l2_loss(tensor)
+
     def apply(self, grads, trainable_variables=None):
         """Keras ``apply``; with ``nonfinite="raise"`` the checks come first: every state change of
         the step, Keras's ``iterations`` increment (made after the update) included, waits for them."""
@@ -330,8 +340,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "XLA, which drops tf.debugging checks: compile the model with "
                 "jit_compile=False, or use nonfinite='skip'.")
         variables = self._trainable_variables if trainable_variables is None else trainable_variables
-        guards = [tf.debugging.check_numerics(t, f"{type(self).__name__}(nonfinite='raise'): "
-                                                 f"NaN or Inf in {what}")
+        guards = [tf.debugging.check_numerics(self._half_sum_of_squares(t),
+                                              f"{type(self).__name__}(nonfinite='raise'): NaN or "
+                                              f"Inf (or an overflowing square) in {what}")
                   for what, t in self._checked_tensors(grads, variables)]
         with tf.control_dependencies(guards):
             return super().apply(grads, trainable_variables)
@@ -341,7 +352,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         # a posterior, and every weight is perturbed at every step.
         grads = self._clip_gradients(_sum_over_replicas([tf.convert_to_tensor(g) for g in grads]))
         checked = self._checked_tensors(grads, trainable_variables)
-        flags = tf.stack([tf.reduce_all(tf.math.is_finite(t)) for _, t in checked])
+        flags = tf.stack([tf.math.is_finite(self._half_sum_of_squares(t)) for _, t in checked])
         finite = tf.reduce_all(flags)
         self._initialize_means_once()
         if self.mc_samples == 1:
@@ -365,7 +376,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 if count & (count - 1) == 0:     # 1st, 2nd, 4th, 8th...: no flood when diverging
                     bad = ", ".join(w for w, ok in zip(described, flags.numpy()) if not ok)
                     logging.getLogger("tfnng").warning(
-                        "%s skipped an update: NaN or Inf in %s (%d updates skipped so far).",
+                        "%s skipped an update: NaN or Inf (or an overflowing square) in %s (%d "
+                        "updates skipped so far).",
                         name, bad, count)
                 return True
 
