@@ -225,6 +225,21 @@ def test_sample_moments_match_distribution():
     assert abs(bits.mean() - p1) < 5 * math.sqrt(p1 * (1 - p1) / n)
 
 
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_half_precision_heads_sample_in_float32(dtype):
+    """A mixed-precision model's float16/bfloat16 head: the true-Fisher samplers draw from the
+    float32 distribution (bfloat16 Bernoulli draws at logit 6 were all 1: the example's Fisher
+    p (1 - p) came out 0 instead of 0.0025; bfloat16 Gaussian draws around 100 took three values)."""
+    n, seed = 40_000, tf.constant([5, 6])
+    bits = BernoulliNLL().sample(tf.fill((n, 1), tf.constant(6.0, dtype)), seed=seed).numpy()
+    p1 = special.expit(6.0)
+    assert abs(bits.mean() - p1) < 5 * math.sqrt(p1 * (1 - p1) / n)
+    draws = GaussianNLL(0.01).sample(tf.fill((n, 1), tf.constant(100.0, dtype)), seed=seed)
+    assert draws.dtype == tf.float32
+    assert np.var(draws.numpy()) == pytest.approx(0.01, rel=0.05)
+    assert len(np.unique(draws.numpy())) > n // 2
+
+
 def test_seed_conventions():
     loss = GaussianNLL(1.0)
     mean = np.zeros((8, 1), np.float32)
@@ -287,6 +302,14 @@ def test_bad_shapes_raise_clear_errors():
             loss.call(tf.zeros((6,)), tf.zeros((6,)))
     with pytest.raises(ValueError, match="one-hot"):
         CategoricalNLL().log_prob(np.zeros((2, 3)), np.zeros((2, 4), np.float32))
+    for loss, width in ((CategoricalNLL(), 3), (BernoulliNLL(), 1), (GaussianNLL(1.0), 2)):
+        # one label row, five predictions: an error, eagerly and in a graph with unknown batch
+        with pytest.raises(ValueError, match="examples|does not match"):
+            loss.log_prob(np.eye(width, dtype=np.float32)[:1], np.zeros((5, width), np.float32))
+        traced = tf.function(loss.log_prob, input_signature=[
+            tf.TensorSpec((None, width), tf.float32), tf.TensorSpec((None, width), tf.float32)])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="numbers of examples"):
+            traced(np.eye(width, dtype=np.float32)[:1], np.zeros((5, width), np.float32))
     with pytest.raises(ValueError, match=r"\(batch, 1\)"):
         BernoulliNLL().log_prob(np.zeros(2), np.zeros((2, 2), np.float32))
 

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_probability as tfp
 
+from tfnng._dtypes import at_least_float32
 from tfnng._xla import compiled_with_xla
 
 tfd = tfp.distributions
@@ -41,8 +42,9 @@ _LOG_2PI = math.log(2.0 * math.pi)
 
 
 def _float_tensor(x, dtype):
-    """``x`` as a tensor; non-floating inputs are cast to ``dtype``."""
-    x = tf.convert_to_tensor(x)
+    """``x`` as a tensor; non-floating inputs are cast to ``dtype``, half-precision ones to float32
+    (a ``mixed_bfloat16`` head's Bernoulli sampler drew rate 1.0 at logit 6 instead of 0.9975)."""
+    x = at_least_float32(x)
     if not x.dtype.is_floating:
         x = tf.cast(x, dtype)
     return x
@@ -176,7 +178,7 @@ class GaussianNLL(LikelihoodLoss):
                 f"GaussianNLL: y_true with shape {tuple(y_true.shape)} does not match the "
                 f"predicted mean with shape {tuple(mean.shape)}."
             )
-        return y_true
+        return _same_batch(y_true, mean, "GaussianNLL")
 
     def call(self, y_true, y_pred):
         """Per-example negative log-likelihood (fixed noise) or minus eq. (23) (learned noise)."""
@@ -237,6 +239,18 @@ def _checked(labels, valid, message):
         return tf.identity(labels)
 
 
+def _same_batch(y_true, y_pred, name):
+    """``y_true`` after checking that it has as many examples as ``y_pred`` (statically when both
+    sizes are known, else at run time): a single label row must not broadcast over a batch."""
+    if not y_true.shape[:1].is_compatible_with(y_pred.shape[:1]):
+        raise ValueError(f"{name}: y_true has {y_true.shape[0]} examples, y_pred "
+                         f"{y_pred.shape[0]}.")
+    if y_true.shape[0] is not None and y_pred.shape[0] is not None:
+        return y_true
+    return _checked(y_true, tf.equal(tf.shape(y_true)[0], tf.shape(y_pred)[0]),
+                    f"{name}: y_true and y_pred have different numbers of examples.")
+
+
 @keras.saving.register_keras_serializable(package="tfnng")
 class CategoricalNLL(LikelihoodLoss):
     """Categorical likelihood on logits: -log softmax(y_pred)[y].
@@ -268,7 +282,7 @@ class CategoricalNLL(LikelihoodLoss):
                 ids, (ids >= 0) & (ids < tf.shape(logits)[-1]),
                 f"CategoricalNLL: class ids must lie in [0, K), K = {num_classes} classes.")
         if rank == 2 and y_true.shape[-1] == num_classes and num_classes is not None:
-            return "probs", tf.cast(y_true, logits.dtype)
+            return "probs", _same_batch(tf.cast(y_true, logits.dtype), logits, "CategoricalNLL")
         raise ValueError(
             "CategoricalNLL: y_true must be integer labels of shape (batch,) or (batch, 1), or "
             f"one-hot labels of shape (batch, K={num_classes}); got shape {tuple(y_true.shape)}."
@@ -337,6 +351,7 @@ class BernoulliNLL(LikelihoodLoss):
                 "BernoulliNLL: y_true must have shape (batch,) or (batch, 1); "
                 f"got {tuple(y_true.shape)}."
             )
+        y_true = _same_batch(y_true, logits, "BernoulliNLL")
         y_true = _checked(y_true, (y_true >= 0) & (y_true <= 1),
                           "BernoulliNLL: y_true must lie in [0, 1] (labels 0 and 1, or probabilities).")
         ce = tf.nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=logits)

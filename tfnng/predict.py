@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfnng import metrics as _metrics
+from tfnng._dtypes import at_least_float32
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 
@@ -184,13 +185,6 @@ def _per_weight_sample(fn, outputs):
         lambda r: tf.reshape(r, tf.concat([leading, tf.shape(r)[1:]], axis=0)), fn(merged))
 
 
-def _at_least_float32(outputs):
-    """Half-precision outputs (a ``mixed_float16`` model's float16 head) in float32: Monte Carlo sums
-    over samples in float16 drift (0.1 averaged 2000 times gives 0.115) and overflow past 65504."""
-    outputs = tf.convert_to_tensor(outputs)
-    return tf.cast(outputs, tf.float32) if outputs.dtype in (tf.float16, tf.bfloat16) else outputs
-
-
 def predictive_moments(outputs, likelihood):
     """Monte Carlo predictive moments from raw model outputs per weight sample, as tensors.
 
@@ -202,7 +196,7 @@ def predictive_moments(outputs, likelihood):
     docstring) and ``samples`` (per-sample predicted means, ``(S, N, d)``). Half-precision outputs
     are summarised in float32.
     """
-    outputs = _at_least_float32(outputs)
+    outputs = at_least_float32(outputs)
     if likelihood.is_classification:
         per_sample = _per_weight_sample(likelihood.probabilities, outputs)
         return {"probs": tf.reduce_mean(per_sample, axis=0),
@@ -216,7 +210,7 @@ def predictive_moments(outputs, likelihood):
 
 
 def _summarise(outputs, likelihood, return_samples):
-    outputs = _at_least_float32(outputs)        # once, for the moments and for log_likelihood
+    outputs = at_least_float32(outputs)        # once, for the moments and for log_likelihood
     moments = {name: value.numpy() for name, value in predictive_moments(outputs, likelihood).items()}
     result = Predictive(outputs=outputs.numpy(), likelihood=likelihood)
     for field in ("probs", "mean", "epistemic_variance", "aleatoric_variance", "variance"):

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from tfnng import _markers, _random
+from tfnng._dtypes import at_least_float32
 from tfnng._names import unique_names
 from tfnng._xla import compiled_with_xla
 from tfnng.posteriors import diagonal as _diagonal
@@ -325,9 +326,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def _half_sum_of_squares(tensor):
         """``sum(t^2) / 2`` in at least float32: not finite when ``t`` holds NaN or Inf, or values
         whose squares (the curvature statistics square gradients and activations) overflow."""
-        if tensor.dtype.size < 4:
-            tensor = tf.cast(tensor, tf.float32)
-        return tf.nn.l2_loss(tensor)
+        return tf.nn.l2_loss(at_least_float32(tensor))
 
     def apply(self, grads, trainable_variables=None):
         """Keras ``apply``; with ``nonfinite="raise"`` the checks come first: every state change of
