@@ -128,6 +128,30 @@ def test_natural_step_is_the_conjugate_update_and_lands_on_the_posterior(alpha, 
                                    rtol=1e-9)
 
 
+@pytest.mark.parametrize("kl_weight", [0.5, 3.0])
+def test_natural_step_with_a_kl_weight_moves_towards_the_tempered_posterior(kl_weight):
+    """With the KL weighted by w the fixed point is Gam(a0 + n / (2 w), b0 + sum y^2 / (2 w)); the
+    step size is capped at 1 / w for w > 1, which lands on it at once (before, the step of size 1
+    with w = 3 overshot to a negative alpha and q(tau) never moved)."""
+    y, _, _ = _known_mean_problem()
+    n = len(y)
+    a_w, b_w = 6.0 + n / (2 * kl_weight), 6.0 + 0.5 * np.sum(y ** 2) / kl_weight
+    layer = NoisePrecision(n, kl_weight=kl_weight, dtype="float64")
+    model = _mean_model(1, layer, dtype="float64")
+    step = natural_step(layer.log_parameters)
+    for rho in (1.0, 0.2):
+        _set_posterior(layer, [300.0], [7.0])
+        new = np.exp(step(layer.log_parameters, _objective_gradient(layer, model, y), rho).numpy())
+        r = min(rho, 1 / kl_weight)
+        np.testing.assert_allclose(new[:, 0], [(1 - r * kl_weight) * 300.0 + r * kl_weight * a_w,
+                                               (1 - r * kl_weight) * 7.0 + r * kl_weight * b_w],
+                                   rtol=1e-9)
+    for _ in range(40):                                # and repeated steps converge to it
+        layer.log_parameters.assign(step(layer.log_parameters,
+                                         _objective_gradient(layer, model, y), 1.0))
+    np.testing.assert_allclose([layer.alpha.numpy()[0], layer.beta.numpy()[0]], [a_w, b_w], rtol=1e-6)
+
+
 def test_natural_step_that_would_leave_the_gamma_family_keeps_the_old_values():
     """A step size of 3 (or float32 gradients of a diverged network, ~1e17 squared residuals) would
     make alpha negative and log alpha NaN: q(tau) keeps its previous alpha and beta instead."""

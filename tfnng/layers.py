@@ -19,7 +19,7 @@ from tfnng._markers import mark_natural_parameter
 tfd = tfp.distributions
 
 
-def _gamma_natural_step(value, gradient, step_size, num_examples):
+def _gamma_natural_step(value, gradient, step_size, num_examples, kl_weight=1.0):
     """The stochastic natural-gradient step of q(tau) = Gam(alpha, beta) on ``[log alpha; log beta]``.
 
     ``value`` and ``gradient`` (the ordinary gradient of the per-example loss L = -ELBO / N, N =
@@ -29,16 +29,26 @@ def _gamma_natural_step(value, gradient, step_size, num_examples):
     beta), J = dm/d(alpha, beta) = [[psi'(alpha), -1/beta], [1/beta, -alpha/beta^2]]. Written with the
     log-space gradients g_a = alpha dL/dalpha, g_b = beta dL/dbeta it reads
     ``alpha -= scale (g_a + g_b) / c`` and ``beta -= scale beta (g_a / alpha + psi'(alpha) g_b) / c``,
-    ``c = alpha psi'(alpha) - 1 > 0``. Computed in float64: c ~ 1/(2 alpha) cancels badly in float32.
+    ``c = alpha psi'(alpha) - 1 > 0``. The step is computed in float64 (c ~ 1/(2 alpha) cancels
+    badly in float32), but a float32 gradient limits it: its rounding error is amplified about
+    alpha^2 times, so with N ~ 1e5 or more one step of size 1 can be off by 10% or more in alpha
+    (not in alpha / beta, the expected precision); small steps average this out (step 0.05 settled
+    within 1% of the optimum at N = 463,715). A float64 model has no such limit.
 
-    In exact arithmetic a step size <= 1 keeps alpha and beta positive (a convex combination, see
-    :class:`NoisePrecision`), but the data terms of g_a and g_b cancel in the alpha step: when the
-    network diverges (squared residuals ~1e17), float32 gradients made alpha negative and log alpha
-    NaN. A step that would leave alpha or beta non-positive or non-finite keeps the old values.
+    With the KL term weighted by ``kl_weight`` = w the step is theta <- (1 - rho w) theta +
+    rho (w theta_prior + data statistics), a convex combination only for rho w <= 1: the step size
+    is capped at 1 / w (rho = 1 / w reaches the fixed point of the batch's statistics at once).
+    In exact arithmetic a step size <= 1 / w then keeps alpha and beta positive, but the data terms
+    of g_a and g_b cancel in the alpha step: when the network diverges (squared residuals ~1e17),
+    float32 gradients made alpha negative and log alpha NaN. A step that would leave alpha or beta
+    non-positive or non-finite keeps the old values.
     """
     u = tf.cast(tf.convert_to_tensor(value), tf.float64)
     g = tf.cast(gradient, tf.float64)
-    scale = tf.cast(tf.convert_to_tensor(step_size, dtype_hint=tf.float64), tf.float64) * num_examples
+    rho = tf.cast(tf.convert_to_tensor(step_size, dtype_hint=tf.float64), tf.float64)
+    if kl_weight > 1:
+        rho = tf.minimum(rho, tf.constant(1.0 / kl_weight, tf.float64))
+    scale = rho * num_examples
     alpha, beta = tf.exp(u[0]), tf.exp(u[1])
     trigamma = tf.math.polygamma(tf.constant(1.0, tf.float64), alpha)
     c = alpha * trigamma - 1.0
@@ -79,7 +89,8 @@ class NoisePrecision(keras.layers.Layer):
     natural-gradient step of conjugate variational inference (Hoffman et al. 2013; Khan & Lin 2017),
     which with step size rho reads ``alpha <- (1 - rho) alpha + rho (a0 + N/2)`` and
     ``beta <- (1 - rho) beta + rho (b0 + N/2 * E_q(w)[(y - y_hat)^2])`` for the batch at hand (KL
-    weight 1; ``_gamma_natural_step``). N is this layer's ``num_examples`` (the N its KL term is
+    weight 1; with ``kl_weight`` w > 1 the step size is capped at 1 / w, see
+    ``_gamma_natural_step``). N is this layer's ``num_examples`` (the N its KL term is
     divided by), whatever the optimizer's. Euclidean gradients crawl along the ridge alpha / beta =
     const, where the ELBO is nearly flat: an Adam step on softplus-parameterised alpha, beta reached
     alpha = 10 instead of the optimum 233.5 in 200 epochs of Boston housing. Keras optimizers see the
@@ -147,7 +158,8 @@ class NoisePrecision(keras.layers.Layer):
         self.log_parameters = mark_natural_parameter(self.add_weight(
             name="log_parameters", shape=(2, num_outputs), trainable=True,
             initializer=lambda shape, dtype: tf.constant(initial, dtype)),
-            functools.partial(_gamma_natural_step, num_examples=self.num_examples))
+            functools.partial(_gamma_natural_step, num_examples=self.num_examples,
+                              kl_weight=self.kl_weight))
 
     @property
     def alpha(self):
