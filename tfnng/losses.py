@@ -115,7 +115,10 @@ class GaussianNLL(LikelihoodLoss):
     drops the factor 1/2 in its last line; the expression above follows from the line before it
     (the 1/2 multiplies all three terms). ``log_prob`` and ``distribution`` are the predictive of
     one weight sample with tau integrated out,
-    Student-t(df=2 alpha, loc=mean, scale=sqrt(beta / alpha)).
+    Student-t(df=2 alpha, loc=mean, scale=sqrt(beta / alpha)). The true Fisher
+    (``tfnng.BayesianModel``) samples its targets from this Student-t, whose Fisher information
+    for the mean is (2 alpha + 1) / (2 alpha + 3) * alpha / beta per example: within a factor
+    1 - 1/alpha of the E[tau] = alpha / beta that weights the training loss's residuals.
 
     With several outputs the per-example value is the sum over outputs (independent noise).
     ``y_true`` has shape ``(batch, d)``; ``(batch,)`` is accepted when ``d == 1``.
