@@ -215,8 +215,12 @@ class ExampleGradients:
         return tf.add_n([block.transpose_matmul(pieces[id(block)]) for block in self._blocks])
 
     def gram(self):
-        """``F^T F``: the (B, B) inner products ``g_n . g_k``."""
-        return tf.add_n([block.gram() for block in self._blocks])
+        """``F^T F``: the (B, B) inner products ``g_n . g_k`` (over the parts in the layout only: a
+        layer whose bias is point-estimated contributes its kernel)."""
+        parts = {id(block): set() for block in self._blocks}
+        for block, part in self._layout:
+            parts[id(block)].add(part)
+        return tf.add_n([block.gram(parts[id(block)]) for block in self._blocks])
 
     def squared_row_norms(self):
         """``diag(F F^T) = sum_n g_n^2`` (elementwise), shape (D,)."""
@@ -262,9 +266,9 @@ class _OuterProductBlock:
         products = tf.reshape(products, [self.batch_size, self._q, -1])
         return tf.reduce_sum(products * self._ds[:, :, None], axis=1)
 
-    def gram(self):
-        return (tf.matmul(self._a, self._a, transpose_b=True)
-                * tf.matmul(self._ds, self._ds, transpose_b=True))
+    def gram(self, parts):
+        a = self._a if len(parts) == len(self.sizes) else self._activations(next(iter(parts)))
+        return tf.matmul(a, a, transpose_b=True) * tf.matmul(self._ds, self._ds, transpose_b=True)
 
     def squared_row_norms(self):
         return {part: tf.reshape(squared_gradient_sums_from_rows(self._activations(part)[:, None],
@@ -292,8 +296,9 @@ class _MaterialisedBlock:
     def transpose_matmul(self, pieces):
         return tf.add_n([self._rows[part] @ piece for part, piece in pieces.items()])
 
-    def gram(self):
-        return tf.add_n([tf.matmul(r, r, transpose_b=True) for r in self._rows.values()])
+    def gram(self, parts):
+        return tf.add_n([tf.matmul(self._rows[part], self._rows[part], transpose_b=True)
+                         for part in parts])
 
     def squared_row_norms(self):
         return {part: tf.reduce_sum(tf.square(r), axis=0) for part, r in self._rows.items()}
