@@ -137,6 +137,38 @@ def test_per_example_gradients_select_fast_and_generic_paths_automatically():
                                rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("conv", [False, True])
+@pytest.mark.parametrize("point", [None, "kernel", "bias"])
+def test_gram_covers_only_the_bayesian_parts_of_a_layer(conv, point):
+    """``gram()`` (what SLANG's exact eigendecomposition factors) equals ``F^T F`` of ``to_dense()``
+    when part of a Dense/Conv2D layer is point-estimated (it used to include that part: off by 14%
+    of max|F^T F| for a point-estimated Dense bias, more than 100% for its kernel)."""
+    rng = np.random.default_rng(0)
+    init = keras.initializers.RandomNormal(stddev=0.7, seed=1)
+    shape = (4, 4, 1) if conv else (3,)
+    layer = (keras.layers.Conv2D(2, 3, dtype=F64, kernel_initializer=init, bias_initializer=init)
+             if conv else keras.layers.Dense(2, dtype=F64, kernel_initializer=init,
+                                             bias_initializer=init))
+    net = keras.Sequential([keras.Input(shape, dtype=F64), layer, keras.layers.Flatten(dtype=F64)])
+    if point is not None:
+        tfnng.mark_point_estimate(getattr(layer, point))
+    optimizer = tfnng.optimizers.SLANG(0.1, num_examples=20, rank=1, fisher="empirical")
+    capture = LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    x = tf.constant(rng.normal(size=(5,) + shape))
+    y = tf.constant(rng.normal(size=(5, net.output_shape[-1])))
+    _, _, _, curvature = gradients_and_curvature(
+        net, capture, optimizer, tfnng.losses.GaussianNLL(noise_variance=0.5, dtype=F64), x, y)
+    optimizer.receive_curvature(curvature)
+    columns = optimizer._example_gradient_columns(optimizer._flat_indices, tf.float64)
+    dense = columns.to_dense().numpy()
+    sizes = {None: 0, "kernel": layer.kernel.shape.num_elements(), "bias": 2}
+    assert dense.shape == (sum(v.shape.num_elements() for v in net.trainable_variables)
+                           - sizes[point], 5)
+    np.testing.assert_allclose(columns.gram().numpy(), dense.T @ dense, rtol=1e-12, atol=1e-12)
+
+
 def test_sample_weights_weigh_each_examples_curvature_on_both_paths():
     """With Keras's sample_weight the log-likelihood is sum_n w_n log p(y_n | x_n): every variable's
     squared per-example gradient mean is (1/B) sum_n w_n g_n^2, on the fast path (Conv2D, Dense) and
@@ -624,6 +656,31 @@ def test_float64_posterior_is_scaled_by_lambda_over_n_without_float32_rounding(f
         u_scaled, d_scaled = (t.numpy() for t in optimizer.precision_factors())
         np.testing.assert_allclose(u_scaled @ u_scaled.T + np.diag(d_scaled),
                                    np.linalg.inv(covariance), rtol=1e-12)
+
+
+def test_nng_full_float32_model_keeps_a_positive_definite_precision_for_large_n():
+    """Collinear inputs leave one direction without gradient, where F_bar decays to 0 and the
+    precision to gamma_in = 1/(N eta) = 1.7e-5, far below float32 rounding of F_bar's largest
+    eigenvalue (~3e3). A float32 F_bar drifted to negative eigenvalues there, the Cholesky
+    factorisation filled NaN and training died with every later update 'skipped'."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 2))
+    x = (3 * np.concatenate([x, x.sum(1, keepdims=True)], 1)).astype("float32")
+    y = (x[:, :1] - x[:, 1:2] + 0.1 * rng.normal(size=(128, 1))).astype("float32")
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = tfnng.optimizers.NoisyNaturalGradient(0.1, num_examples=60000, beta=0.5, seed=1)
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=0.01))
+    for _ in range(15):
+        for start in range(0, 128, 32):
+            step(x[start:start + 32], y[start:start + 32])
+    chol = optimizer._chol.numpy().astype(np.float64)
+    assert optimizer.skipped_updates == 0 and np.isfinite(chol).all()
+    eigenvalues = np.linalg.eigvalsh(optimizer._fisher.numpy())
+    assert eigenvalues.max() > 1e3 and eigenvalues.min() > -1e-9 * eigenvalues.max()
+    np.testing.assert_allclose(chol @ chol.T, optimizer._fisher.numpy()
+                               + optimizer.intrinsic_damping * np.eye(4), rtol=1e-5, atol=1e-7)
+    assert np.isfinite(optimizer.posterior_mean(net.layers[0].kernel).numpy()).all()
 
 
 def test_slang_float32_diagonal_stays_positive_on_raw_scale_inputs():

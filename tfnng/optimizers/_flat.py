@@ -52,10 +52,11 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
             self._mc_sums = {
                 "grad": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_grad"),
                 "weight": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_weight"),
-                "curvature": self.add_variable(self._curvature_shape(self.dimension), "zeros",
-                                               dtype, name="mc_sum_curvature")}
+                "curvature": self.add_variable(*self._curvature_spec(self.dimension, dtype),
+                                               name="mc_sum_curvature")}
 
-    def _curvature_shape(self, dimension):
+    def _curvature_spec(self, dimension, dtype):
+        """``(shape, initializer, dtype)`` of the curvature statistic's Monte Carlo sum."""
         raise ValueError(f"{type(self).__name__} does not support mc_samples > 1.")
 
     @property

@@ -23,6 +23,12 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
     to ``max_parameters`` weights (default 10^4, a clear error above). With the true Fisher and
     lambda = 1 its fixed point on Bayesian linear regression is the exact posterior.
 
+    ``F_bar``, ``G^T G`` and the factorisations are float64 whatever the model's dtype (the stored
+    Cholesky factor of the sampling precision is cast to it): the damping gamma_in = lambda/(N eta)
+    is tiny next to ``F_bar``'s largest eigenvalues for large N, and a float32 average drifted to
+    negative eigenvalues below -gamma_in in directions without gradient (collinear inputs, N = 6e4),
+    where the Cholesky factorisation fails (TensorFlow fills it with NaN).
+
     Args:
         max_parameters: the largest D accepted.
 
@@ -44,30 +50,32 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
         root0 = (self.hess_init + self.intrinsic_damping) ** 0.5
         self._fisher = self.add_variable(
             (dimension, dimension), lambda shape, dtype: fisher0 * tf.eye(shape[0], dtype=dtype),
-            dtype, name="fisher")
+            tf.float64, name="fisher")
         # Cholesky factor of the sampling precision F_bar + gamma_in I, refreshed at each update.
         self._chol = self.add_variable(
             (dimension, dimension), lambda shape, dtype: root0 * tf.eye(shape[0], dtype=dtype),
             dtype, name="precision_cholesky")
 
-    def _curvature_shape(self, dimension):
-        return (dimension, dimension)
+    def _curvature_spec(self, dimension, dtype):
+        return (dimension, dimension), "zeros", tf.float64
 
     def _curvature_statistic(self, gradients):
-        """``G^T G / B`` (D x D) from the per-example gradients (columns of ``F = G^T``)."""
-        columns = gradients.to_dense()
+        """``G^T G / B`` (D x D, float64) from the per-example gradients (columns of ``F = G^T``)."""
+        columns = tf.cast(gradients.to_dense(), tf.float64)
         return (tf.matmul(columns, columns, transpose_b=True)
-                / tf.cast(gradients.num_columns, columns.dtype))
+                / tf.cast(gradients.num_columns, tf.float64))
 
     def _update_flat(self, mean, grad, weight, curvature, lr, beta):
-        fisher = (1 - beta) * self._fisher + beta * curvature
+        fisher = (1 - tf.cast(beta, tf.float64)) * self._fisher + tf.cast(beta, tf.float64) * curvature
         self._fisher.assign(fisher)
-        self._chol.assign(_full.cholesky(_full.damped_precision(fisher, 1.0, self.intrinsic_damping)))
-        chol = self._chol
+        chol = _full.cholesky(_full.damped_precision(fisher, 1.0, self.intrinsic_damping))
+        self._chol.assign(tf.cast(chol, self._chol.dtype))
         if self.extrinsic_damping > 0:
             chol = _full.cholesky(_full.damped_precision(
                 fisher, 1.0, self.intrinsic_damping + self.extrinsic_damping))
-        return mean - lr * _full.precondition(chol, grad + self.intrinsic_damping * weight)
+        direction = _full.precondition(chol, tf.cast(grad, tf.float64)
+                                       + self.intrinsic_damping * tf.cast(weight, tf.float64))
+        return mean - lr * tf.cast(direction, mean.dtype)
 
     def sampling_state(self):
         return {"cholesky": tf.convert_to_tensor(self._chol)}

@@ -14,18 +14,19 @@ import tensorflow as tf
 
 from tfnng.posteriors import _linalg
 
-# D x D float32 precision plus its Cholesky factor: 2 * 4 * D^2 bytes, 0.8 GB at D = 10^4.
+# D x D float64 Fisher average plus a float32 Cholesky factor: 12 D^2 bytes, 1.2 GB at D = 10^4.
 DEFAULT_MAX_PARAMETERS = 10_000
 
 
 def check_parameter_count(num_parameters, max_parameters=DEFAULT_MAX_PARAMETERS):
     """Raise a ValueError when a dense D x D precision would be too large (D > ``max_parameters``)."""
     if num_parameters > max_parameters:
-        gigabytes = 2 * 4 * num_parameters ** 2 / 1e9
+        gigabytes = 12 * num_parameters ** 2 / 1e9
         raise ValueError(
             f"The full-covariance posterior stores a dense {num_parameters} x {num_parameters} "
-            f"precision matrix and its Cholesky factor (about {gigabytes:.1f} GB in float32, "
-            f"O(D^3) per factorisation), but the limit is max_parameters={max_parameters}. Use a "
+            f"precision matrix (float64) and its Cholesky factor (about {gigabytes:.1f} GB for a "
+            f"float32 model, O(D^3) per factorisation), but the limit is "
+            f"max_parameters={max_parameters}. Use a "
             "structured family (SLANG, noisy K-FAC, a diagonal optimizer) or raise max_parameters.")
     return int(num_parameters)
 
