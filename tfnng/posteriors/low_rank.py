@@ -311,11 +311,17 @@ def fast_sample(low_rank, diagonal, standard_normal):
 
 
 def marginal_variances(low_rank, diagonal):
-    """``diag((U U^T + diag d)^-1)``, the posterior marginal variances, by Woodbury in O(D L^2)."""
+    """``diag((U U^T + diag d)^-1)``, the posterior marginal variances, by Woodbury in O(D L^2).
+
+    Computed in float64 whatever the inputs' dtype (the result is cast back): Woodbury subtracts
+    from ``1/d`` a number of the same size where ``U U^T >> diag d`` (large N, L near D), and in
+    float32 the difference came out wrong in its first digit, or negative."""
+    dtype = low_rank.dtype
+    low_rank, diagonal = tf.cast(low_rank, tf.float64), tf.cast(diagonal, tf.float64)
     scaled = low_rank / diagonal[:, None]
     chol = _capacitance_cholesky(scaled, low_rank)
     whitened = tf.linalg.triangular_solve(chol, tf.transpose(scaled), lower=True)
-    return 1.0 / diagonal - tf.reduce_sum(tf.square(whitened), axis=0)
+    return tf.cast(1.0 / diagonal - tf.reduce_sum(tf.square(whitened), axis=0), dtype)
 
 
 def log_det_precision(low_rank, diagonal):
