@@ -375,6 +375,21 @@ def test_freezing_a_layer_and_recompiling_with_the_same_optimizer(make_optimizer
     np.testing.assert_array_equal(model.net.layers[0].kernel.numpy(), frozen)
 
 
+@pytest.mark.parametrize("make_optimizer", [
+    lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n),
+    lambda n: tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=n)])
+def test_one_optimizer_compiled_with_two_models_says_so(make_optimizer):
+    """The optimizer keeps the layers of the last compile: training the first model used to fail
+    with a bare KeyError deep in build."""
+    x, y = classification_data(n=16)
+    optimizer = make_optimizer(len(x))
+    first, second = tfnng.BayesianModel(dense_net()), tfnng.BayesianModel(dense_net())
+    for model in (first, second):
+        model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+    with pytest.raises(ValueError, match="another model's layers"):
+        first.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
 def test_errors_and_serialization():
     x, y = classification_data(n=16)
     net = dense_net()

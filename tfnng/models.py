@@ -82,6 +82,20 @@ def _requirements(optimizer):
     return getattr(unwrap_optimizer(optimizer), "curvature_requirements", None)
 
 
+def _check_same_model(optimizer, capture):
+    """A clear error when ``optimizer`` was handed the layers of another model (one optimizer
+    compiled with two models: it keeps the layers of the last ``compile``)."""
+    specs = getattr(optimizer, "_layer_specs", None)
+    if not specs or not capture.specs:
+        return
+    if not {id(spec.layer) for spec in specs} & {id(spec.layer) for spec in capture.specs}:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds the curvature of another model's layers "
+            f"({[spec.name for spec in specs]}), not of this one's "
+            f"({[spec.name for spec in capture.specs]}): was it compiled with two models? An "
+            "optimizer holds one posterior: give each model its own optimizer.")
+
+
 def _num_replicas():
     """Replicas of the current ``tf.distribute`` strategy (Keras divides each one's loss by it)."""
     return tf.distribute.get_strategy().num_replicas_in_sync
@@ -202,6 +216,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         captured statistics are unscaled.
     """
     requirements = _requirements(optimizer)
+    _check_same_model(unwrap_optimizer(optimizer), capture)
     variables = list(net.trainable_variables)
     generic = _generic_variables(capture, variables) if requirements.per_example_gradients else []
     weights = _example_weights(sample_weight)
@@ -453,6 +468,7 @@ class BayesianModel(keras.Model):
             if requirements.layer_links and any(
                     spec.inputs_from is None for spec in self._layer_capture.specs):
                 self._layer_capture.find_links(x)      # traced: static, pruned from the step
+            _check_same_model(unwrap_optimizer(optimizer), self._layer_capture)
             if not optimizer.built:
                 with keras.name_scope(optimizer.name, caller=optimizer):
                     optimizer.build(self.trainable_variables)
