@@ -42,7 +42,8 @@ class Case(typing.NamedTuple):
     differently (what it changes is not compared with the single-device run); ``sign_ambiguous``:
     regular expressions of the recorded names whose values are defined only up to eigenvector
     signs (compared across replicas only); ``target_statistic``: ``(name regex, expectation)`` of a
-    statistic estimated from sampled Fisher targets, whose distribution is known (see the test).
+    statistic estimated from sampled Fisher targets, whose distribution is known (see the test);
+    ``net``: the net's middle layer and whether it has an ``Input`` (is built before ``fit``).
     """
 
     factory: typing.Callable
@@ -51,6 +52,7 @@ class Case(typing.NamedTuple):
     reference: dict = None
     sign_ambiguous: tuple = ()
     target_statistic: tuple = None
+    net: tuple = ("layer_norm", True)
 
 
 _opt = tfnng.optimizers
@@ -89,7 +91,26 @@ CASES = {
     "slang": Case(lambda n: _opt.SLANG(5e-2, n, rank=2, fisher="empirical", seed=SEED), True),
     "noisy_natural_gradient": Case(
         lambda n: _opt.NoisyNaturalGradient(5e-2, n, fisher="empirical", seed=SEED), True),
+    # Keras builds an unbuilt net, then the optimizer, before the first step under a strategy.
+    "noisy_kfac_unbuilt_net": Case(
+        lambda n: _opt.NoisyKFAC(5e-2, n, fisher="empirical", **_kfac), True,
+        net=("layer_norm", False)),
+    # A synchronized BatchNormalization all-reduces inside the forward pass: the replicas' threads
+    # take turns in the middle of the curvature capture.
+    "noisy_kfac_sync_batch_norm": Case(
+        lambda n: _opt.NoisyKFAC(5e-2, n, fisher="empirical", **_kfac), True,
+        net=("sync_batch_norm", True)),
 }
+
+
+def make_net(middle, with_input):
+    middle = (keras.layers.LayerNormalization(name="norm") if middle == "layer_norm"
+              else keras.layers.BatchNormalization(synchronized=True, name="norm"))
+    return keras.Sequential(([keras.Input((3,))] if with_input else []) + [
+        keras.layers.Dense(5, activation="tanh", name="hidden"),
+        middle,                                          # no Kronecker factors: diagonal
+        keras.layers.Dense(1, name="output"),
+    ])
 
 
 def make_data(num_examples):
@@ -110,18 +131,13 @@ def train(case, strategy, fisher_seed=None):
     x, y = make_data(num_examples)
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        net = keras.Sequential([
-            keras.Input((3,)),
-            keras.layers.Dense(5, activation="tanh", name="hidden"),
-            keras.layers.LayerNormalization(name="norm"),   # no Kronecker factors: diagonal
-            keras.layers.Dense(1, name="output"),
-        ])
+        net = make_net(*spec.net)
         model = tfnng.BayesianModel(net) if spec.bayesian else net
         optimizer = spec.factory(num_examples)
         model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(NOISE_VARIANCE))
         if fisher_seed is not None:
             model._fisher_seed.state.assign([fisher_seed, 0])
-        if strategy.num_replicas_in_sync == 1:
+        if strategy.num_replicas_in_sync == 1 and net.built:
             optimizer.build(model.trainable_variables)
     batch, epochs = (num_examples, 1) if spec.one_step else (GLOBAL_BATCH, EPOCHS)
     history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
@@ -167,6 +183,24 @@ def replica_fisher_targets(strategy, fisher):
     return np.asarray(strategy.experimental_local_results(gathered)[0]).reshape(REPLICAS, -1)
 
 
+def raise_on_a_nan_in_one_replica(strategy):
+    """``nonfinite="raise"`` with a NaN target in the second replica's half of the batch: whether
+    every replica raised, and whether their copies of every variable are still identical."""
+    x, y = make_data(GLOBAL_BATCH)
+    y[-1] = np.nan
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        net = make_net("layer_norm", True)
+        optimizer = _opt.NoisyAdam(5e-2, GLOBAL_BATCH, seed=SEED, nonfinite="raise")
+        net.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(NOISE_VARIANCE))
+    try:
+        net.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        raised = False
+    except tf.errors.InvalidArgumentError:
+        raised = True
+    return raised, snapshot(net, optimizer)[2]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output .npz")
@@ -196,6 +230,7 @@ def main(argv=None):
             out[f"{case}|{run}|history_loss"] = np.asarray(losses)
     for fisher in tfnng.curvature.FISHER_TYPES:
         out[f"targets|{fisher}"] = replica_fisher_targets(mirrored, fisher)
+    out["raise|raised"], out["raise|replicas_identical"] = raise_on_a_nan_in_one_replica(mirrored)
     np.savez(args.out, **out)
 
 

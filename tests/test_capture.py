@@ -70,3 +70,17 @@ def test_recording_restores_layers_after_an_error_and_rejects_shared_layers():
             net(tf.ones((1, 2)))
     assert "call" not in shared.__dict__
     np.testing.assert_allclose(net(tf.ones((1, 2))).shape, (1, 2))
+
+
+def test_find_links_names_the_layers_each_layer_reads_directly():
+    """inputs_from: the supported layers whose output reaches a layer's input without passing
+    another supported layer: through activations and merges, including a skip connection."""
+    inputs = keras.Input((3,))
+    h0 = keras.layers.Dense(4, activation="tanh", name="d0")(inputs)
+    h1 = keras.layers.Dense(4, activation="relu", name="d1")(h0)
+    h2 = keras.layers.Dense(2, name="d2")(keras.layers.Add()([h0, h1]))
+    net = keras.Model(inputs, keras.layers.Dense(1, name="d3")(keras.layers.Activation("tanh")(h2)))
+    capture = cap.LayerCapture(net)
+    capture.find_links(tf.zeros((1, 3)))
+    assert {spec.layer.name: spec.inputs_from for spec in capture.specs} == {
+        "d0": (), "d1": ("d0",), "d2": ("d0", "d1"), "d3": ("d2",)}

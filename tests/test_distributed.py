@@ -119,6 +119,12 @@ def test_replicas_draw_their_own_fisher_targets(runs):
     assert np.all(true[0] != true[1])
 
 
+def test_nonfinite_raise_on_one_replicas_nan_leaves_identical_replicas(runs):
+    """A NaN in one replica's shard: every replica raises, and none advanced its copy of the
+    state (the finite replica used to draw its next weight noise: replicas drifted apart)."""
+    assert runs["raise|raised"] and runs["raise|replicas_identical"]
+
+
 def test_tutorial_smoke(tmp_path):
     """tutorials/distributed.py --smoke in a fresh process (it configures logical devices)."""
     code = ("import json, runpy; "

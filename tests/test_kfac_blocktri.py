@@ -145,15 +145,26 @@ def _branches():
     return keras.Model(inputs, _dense("d3", 1)(_dense("d4", 2)(merged)))
 
 
+def _residual():
+    """d2 reads d1's output plus d0's (a skip connection around d1): a merge, no chain through d1;
+    d2 -> d3 remains (d3 reads d2 alone)."""
+    inputs = keras.Input((3,))
+    h = _dense("d0", 4)(inputs)
+    merged = keras.layers.Add()([h, _dense("d1", 4)(h)])
+    return keras.Model(inputs, _dense("d3", 1)(_dense("d2", 2)(merged)))
+
+
 @pytest.mark.parametrize("make_net, chains", [
     (PermutedStack, [["d0", "d1", "d2", "d3"]]),
     (_nested, [["d0", "d1", "d2", "d3"]]),
     (_branches, [["d4", "d3"]]),
+    (_residual, [["d2", "d3"]]),
 ])
 def test_chains_follow_the_data_flow_not_the_order_of_creation(make_net, chains):
     """Chains link a layer to the one its output feeds, whatever the order in which the layers were
     created or nested; parallel layers are not chained (the order of creation gave d0-d2-d1-d3
-    for the first two, d0-a-b-d4-d3 for the branches)."""
+    for the first two, d0-a-b-d4-d3 for the branches), nor are layers around a skip connection
+    (it was chained d0-d1-d2-d3, the skip ignored)."""
     keras.utils.set_random_seed(0)
     net = make_net()
     x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
@@ -167,9 +178,10 @@ def test_chains_follow_the_data_flow_not_the_order_of_creation(make_net, chains)
     assert [[block.spec.layer.name for block in chain] for chain in optimizer._chains] == chains
 
 
-def test_a_net_the_zero_probe_cannot_run_is_chained_from_its_first_batch():
-    """Input of unknown height and width: the compile-time probe (None as 1) fails on the 3x3
-    convolution, and the links come from the first training batch."""
+def test_a_net_of_unknown_image_size_is_chained_at_compile_and_restored(tmp_path):
+    """Input of unknown height and width: the links are traced from the input specs at compile
+    (a zero example with None as 1 failed on the 3x3 convolution), so the optimizer can be built
+    before any batch, as keras.models.load_model and the save_weights recipe do."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((None, None, 1))
     h = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(2, 3)(inputs))
@@ -177,10 +189,39 @@ def test_a_net_the_zero_probe_cannot_run_is_chained_from_its_first_batch():
     optimizer = tfnng.optimizers.KFAC(learning_rate=0.1, damping=1e-2, block_tridiagonal=True)
     model = tfnng.BayesianModel(net)
     model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    assert all(spec.inputs_from is not None for spec in model._layer_capture.specs)
     rng = np.random.default_rng(0)
     model.fit(rng.normal(size=(8, 6, 6, 1)), rng.normal(size=(8, 1)), batch_size=8, verbose=0)
+    chains = [[block.spec.layer.name for block in chain] for chain in optimizer._chains]
+    assert chains == [["d0", "d1", "d2"]]
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert [[b.spec.layer.name for b in chain] for chain in loaded.optimizer._chains] == chains
+    for saved, restored in zip(optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(saved.numpy(), restored.numpy())
+
+
+class DictInputs(keras.Model):
+    """Built from a dict of inputs: its build config gives no input shape to trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.d0, self.d1 = _dense("d0", 4), _dense("d1", 1, None)
+
+    def call(self, inputs):
+        return self.d1(self.d0(tf.concat([inputs["a"], inputs["b"]], axis=-1)))
+
+
+def test_a_net_without_input_specs_is_chained_from_its_first_batch():
+    keras.utils.set_random_seed(0)
+    optimizer = tfnng.optimizers.KFAC(learning_rate=0.1, damping=1e-2, block_tridiagonal=True)
+    model = tfnng.BayesianModel(DictInputs())
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(8, 2)).astype("float32"), "b": rng.normal(size=(8, 1)).astype("float32")}
+    model.fit(x, rng.normal(size=(8, 1)), batch_size=8, verbose=0)
     assert [[block.spec.layer.name for block in chain] for chain in optimizer._chains] == [
-        ["d0", "d1", "d2"]]
+        ["d0", "d1"]]
 
 
 def test_a_loaded_functional_model_gets_its_chains_back(tmp_path):

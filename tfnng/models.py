@@ -329,24 +329,22 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, taken):
             for name, v, g in zip(names, variables, gradients)}
 
 
-def _probe_inputs(net):
-    """Zero inputs of one example shaped like the net's inputs (a functional model's input tensors,
-    else the shape a subclassed model was built with; unknown dimensions as 1), for
-    :meth:`tfnng.curvature.capture.LayerCapture.find_links`; None if unknown."""
+def _input_specs(net):
+    """``tf.TensorSpec`` (or a list of them) of the net's inputs, unknown dimensions left unknown (a
+    functional model's input tensors, else the shape a subclassed model was built with), for
+    tracing :meth:`tfnng.curvature.capture.LayerCapture.find_links`; None if unknown."""
     if not net.built:
         return None
     tensors = getattr(net, "inputs", None)
     if tensors:
-        specs = [(t.shape, t.dtype) for t in tensors]
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
     else:
         shape = (net.get_build_config() or {}).get("input_shape")
         if not isinstance(shape, (tuple, list)) or not all(
                 d is None or isinstance(d, int) for d in shape):
             return None                                 # not built from one input shape
-        specs = [(shape, keras.backend.floatx())]
-    probes = [tf.zeros([1] + [1 if d is None else d for d in shape[1:]], dtype)
-              for shape, dtype in specs]
-    return probes[0] if len(probes) == 1 else probes
+        specs = [tf.TensorSpec([None] + list(shape[1:]), keras.backend.floatx())]
+    return specs[0] if len(specs) == 1 else specs
 
 
 @keras.saving.register_keras_serializable(package="tfnng")
@@ -387,6 +385,10 @@ class BayesianModel(keras.Model):
         if not self.net.built and input_shape is not None:
             self.net.build(input_shape)
         self.built = True
+        if self.net.built and getattr(self, "optimizer", None) is not None:
+            # Keras may build the optimizer right after the model, outside train_step (under a
+            # distribution strategy): it needs its layers first.
+            self._prepare_curvature()
 
     @property
     def input_shape(self):
@@ -419,12 +421,13 @@ class BayesianModel(keras.Model):
         if requirements is None or self._layer_capture is not None:
             return
         capture = _capture.LayerCapture(self.net)
-        probe = _probe_inputs(self.net) if requirements.layer_links else None
-        if probe is not None:
+        specs = _input_specs(self.net) if requirements.layer_links else None
+        if specs is not None:
+            # Traced, not run: no example data needed, unknown image sizes stay unknown.
             try:
-                capture.find_links(probe)
+                tf.function(capture.find_links).get_concrete_function(specs)
             except (ValueError, TypeError, tf.errors.OpError):
-                pass        # the probe's shape guess failed (None dims as 1): the first batch decides
+                pass        # the net cannot be traced from its input specs: the first batch decides
         if requirements.kronecker or requirements.per_example_gradients:
             # The optimizer logs the layers that fall back to a diagonal posterior when it builds.
             unwrap_optimizer(self.optimizer).prepare_curvature(capture.specs)

@@ -25,6 +25,7 @@ subclass. Every other layer that owns trainable variables is reported by
 import collections
 import contextlib
 import dataclasses
+import threading
 
 import keras
 import tensorflow as tf
@@ -156,49 +157,72 @@ class LayerCapture:
     def __init__(self, model):
         self.model = model
         self.specs, self.fallback_layers = find_layers(model)
-        self.records = {}
+        # Per thread: replicas of a tf.distribute strategy trace their forward passes in their own
+        # threads, which take turns at each all-reduce (e.g. a synchronized BatchNormalization).
+        self._thread = threading.local()
+        self._lock = threading.Lock()
+        self._recording_threads = 0
+        self._restores = []
+
+    @property
+    def records(self):
+        """This thread's records of its last forward pass (layer name -> CapturedLayer)."""
+        return getattr(self._thread, "records", {})
 
     def find_links(self, inputs):
         """Sets each spec's ``inputs_from`` from one forward pass of ``inputs`` (``training=False``;
         traced inside a ``tf.function``, the pass and the connectivity tests are static and pruned):
-        layer i feeds layer j when j's input depends on i's pre-activations other than through a
-        layer that i feeds (whatever the order in which the layers were created or nested)."""
+        layer i feeds layer j when j's input depends on i's pre-activations by a path that passes
+        no other supported layer (whatever the order in which the layers were created or nested;
+        a skip connection around a layer feeds the layer after it too). The pass cuts each
+        supported layer's input from the gradient, so that only such paths remain."""
         with tf.GradientTape(persistent=True) as tape:
-            with self.recording(tape):
+            with self.recording(tape, cut_inputs=True):
                 self.model(inputs, training=False)
         records = self.captured()
-        depends = {j: {i for i in records if i != j and tape.gradient(
-                       records[j].inputs, records[i].zero) is not None} for j in records}
         for spec in self.specs:
-            sources = depends[spec.name]
-            spec.inputs_from = tuple(i for i in records if i in sources and not any(
-                i in depends[k] for k in sources))
+            spec.inputs_from = tuple(i for i in records if i != spec.name and tape.gradient(
+                records[spec.name].inputs, records[i].zero) is not None)
 
     @contextlib.contextmanager
-    def recording(self, tape):
+    def recording(self, tape, cut_inputs=False):
         """Context in which each call of a supported layer is recorded (per-instance wrappers).
 
         ``tape`` is the ``tf.GradientTape`` recording the forward pass: it watches the zero tensors.
         Each supported layer must be called exactly once inside the context (weight sharing across
-        calls is not supported by this capture and raises).
+        calls is not supported by this capture and raises). Threads record independently: the
+        wrappers are installed while any thread records and serve each thread its own tape and
+        records; calls from a thread that is not recording pass through. ``cut_inputs``: each
+        supported layer computes from a ``tf.stop_gradient`` of its (recorded) input.
         """
-        self.records = {}
-        installed = []
+        previous = getattr(self._thread, "active", None)
+        self._thread.records = {}
+        self._thread.active = (tape, self._thread.records, cut_inputs)
+        with self._lock:
+            if self._recording_threads == 0:
+                self._restores = [self._install(spec) for spec in self.specs]
+            self._recording_threads += 1
         try:
-            for spec in self.specs:
-                installed.append(self._install(spec, tape))
             yield self
         finally:
-            for restore in reversed(installed):
-                restore()
+            with self._lock:
+                self._recording_threads -= 1
+                if self._recording_threads == 0:
+                    for restore in reversed(self._restores):
+                        restore()
+                    self._restores = []
+            self._thread.active = previous
 
-    def _install(self, spec, tape):
+    def _install(self, spec):
         layer = spec.layer
         had_instance_call = "call" in layer.__dict__
         original_call = layer.call
-        records = self.records
 
         def capturing_call(inputs, *args, **kwargs):
+            active = getattr(self._thread, "active", None)
+            if active is None:
+                return original_call(inputs, *args, **kwargs)
+            tape, records, cut_inputs = active
             if spec.name in records:
                 raise ValueError(
                     f"Layer {spec.name!r} was called more than once in one forward pass; the "
@@ -219,7 +243,8 @@ class LayerCapture:
 
             object.__setattr__(layer, "activation", capturing_activation)
             try:
-                outputs = original_call(inputs, *args, **kwargs)
+                outputs = original_call(tf.stop_gradient(inputs) if cut_inputs else inputs,
+                                        *args, **kwargs)
             finally:
                 if had_instance_activation:
                     object.__setattr__(layer, "activation", original_activation)

@@ -339,10 +339,17 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "XLA, which drops tf.debugging checks: compile the model with "
                 "jit_compile=False, or use nonfinite='skip'.")
         variables = self._trainable_variables if trainable_variables is None else trainable_variables
-        guards = [tf.debugging.check_numerics(self._half_sum_of_squares(t),
+        checked = self._checked_tensors(grads, variables)
+        if not checked:
+            return super().apply(grads, trainable_variables)
+        # Summed over replicas (a NaN in one replica's shard reaches all): every replica raises,
+        # none changes its copy of the state.
+        [squares] = _sum_over_replicas([tf.stack([
+            tf.cast(self._half_sum_of_squares(t), tf.float64) for _, t in checked])])
+        guards = [tf.debugging.check_numerics(squares[i],
                                               f"{type(self).__name__}(nonfinite='raise'): NaN or "
                                               f"Inf (or an overflowing square) in {what}")
-                  for what, t in self._checked_tensors(grads, variables)]
+                  for i, (what, _) in enumerate(checked)]
         with tf.control_dependencies(guards):
             return super().apply(grads, trainable_variables)
 
@@ -380,8 +387,10 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                         name, bad, count)
                 return True
 
-            # Host callback on the (rare) skipping branch only.
-            tf.cond(finite, lambda: tf.constant(True),
+            # Host callback on the (rare) skipping branch only, from one replica.
+            context = tf.distribute.get_replica_context()
+            primary = True if context is None else tf.equal(context.replica_id_in_sync_group, 0)
+            tf.cond(tf.logical_or(finite, tf.logical_not(primary)), lambda: tf.constant(True),
                     lambda: tf.py_function(warn, [flags, self._skipped], tf.bool))
 
     def _drop_partial_sums(self, trainable_variables, apply_now):
