@@ -720,3 +720,21 @@ def test_layers_on_the_generic_path_are_named_once_at_build(make, caplog):
     assert len(messages) == 1 and "generic path" in messages[0], messages
     listed = messages[0].split(" gradients of ")[1].split(" by the generic path")[0].split(", ")
     assert [path.rsplit("/", 1)[-1] for path in listed] == ["wiggle"], messages   # not "out"
+
+
+def test_freezing_a_generic_path_layer_after_build_says_why_it_fails():
+    """SLANG/NNG-full hold one posterior over the variables they were built for: a layer frozen
+    afterwards (here one without a fast path) is named as frozen, not just as missing."""
+    keras.utils.set_random_seed(0)
+    norm = keras.layers.LayerNormalization()
+    net = keras.Sequential([keras.Input((D,)), keras.layers.Dense(2, activation="tanh"), norm,
+                            keras.layers.Dense(1)])
+    x, y, _, _ = regression_data()
+    model = tfnng.BayesianModel(net)
+    optimizer = tfnng.optimizers.SLANG(0.01, num_examples=N, rank=2, seed=0)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
+    model.fit(x.astype("float32"), y.astype("float32"), batch_size=20, epochs=1, verbose=0)
+    norm.trainable = False
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
+    with pytest.raises(ValueError, match="no longer trainable"):
+        model.fit(x.astype("float32"), y.astype("float32"), batch_size=20, epochs=1, verbose=0)

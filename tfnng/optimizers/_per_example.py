@@ -81,7 +81,11 @@ class PerExampleStatistics:
         for record in self._records().values():      # by identity: paths need not be unique
             if getattr(record, "variable", None) is variable:
                 return record.gradients
-        raise ValueError(f"{type(self).__name__}: no per-example gradients for {variable.path}.")
+        raise ValueError(
+            f"{type(self).__name__}: no per-example gradients for {variable.path}"
+            + ("" if variable.trainable else ", which is no longer trainable (frozen after the "
+               "optimizer was built: its posterior covers the variables it was built for; "
+               "compile the model with a new optimizer)") + ".")
 
 
 class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
