@@ -199,6 +199,8 @@ class EpochCounter(keras.callbacks.Callback):
     ("dict", TypeError, "one array"),
     ("short_y", ValueError, "10 targets for 16 inputs"),
     ("soft_labels", ValueError, "not soft labels"),
+    ("wrong_features", ValueError, "cannot score the validation data"),
+    ("wrong_target_width", ValueError, "cannot score the validation data"),
 ])
 def test_predictive_validation_rejects_unusable_data_before_training(bad, error, match):
     """These used to fail only when the first scored epoch ended (after ``every`` epochs)."""
@@ -211,6 +213,10 @@ def test_predictive_validation_rejects_unusable_data_before_training(bad, error,
         x_val = {"x": x}
     elif bad == "short_y":
         y_val = y[:10]
+    elif bad == "wrong_features":
+        x_val = np.concatenate([x, x[:, :2]], axis=1)
+    elif bad == "wrong_target_width":
+        y_val = np.concatenate([y, y], axis=1)
     else:
         y = y_val = np.eye(2, dtype="float32")[(x[:, 0] > 0).astype(int)] * 0.9 + 0.05
         loss, units = tfnng.losses.CategoricalNLL(), 2
@@ -312,3 +318,50 @@ def test_predictive_validation_classification_and_the_progress_bar(capsys):
     np.testing.assert_allclose(
         history["val_pred_ece"][-1],
         tfnng.metrics.expected_calibration_error(y_val, prediction.probs, num_bins=5), rtol=1e-6)
+
+
+class MCDropout(keras.layers.Dropout):
+    """Dropout at prediction time too (MC dropout): it draws random numbers in every forward pass."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=True)
+
+
+def test_predictive_validation_leaves_mc_dropout_training_unchanged():
+    """The dropout layer's random-number state is restored too: without that, the callback's
+    forward passes changed every later dropout mask, and so the whole run."""
+    def run(with_callback):
+        keras.utils.set_random_seed(0)
+        x, y = regression_data()
+        net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"),
+                                MCDropout(0.2, seed=1), keras.layers.Dense(1)])
+        net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=48,
+                                                         seed=0),
+                    loss=tfnng.losses.GaussianNLL(0.5))
+        extra = [callbacks.PredictiveValidation(x[:16], y[:16], num_samples=3)] if with_callback else []
+        history = net.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False, callbacks=extra)
+        return [v.numpy() for v in net.variables + net.optimizer.variables], history.history["loss"]
+
+    (state_with, loss_with), (state_without, loss_without) = run(True), run(False)
+    assert loss_with == loss_without
+    for a, b in zip(state_with, state_without):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tensorboard_writes_whatever_recording_condition_is_set_and_counts_on(tmp_path):
+    """``keras.callbacks.TensorBoard(update_freq=k)`` leaves a recording condition set for the whole
+    fit (here set by hand): the posterior summaries are written regardless (they were dropped
+    except at multiples of k). A second callback instance continues the batch count of the
+    optimizer (it restarted at 0, writing over the first run's steps)."""
+    x, y = regression_data(n=24)
+    model = regression_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=len(x)), loss="mse")
+    with tf.summary.record_if(False):
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[
+            callbacks.PosteriorTensorBoard(tmp_path / "a", histogram_freq=1)])
+    events = read_events(tmp_path / "a")
+    assert [step for step, _, _ in events["elbo/kl"]] == [0, 1]
+    assert len(events[f"posterior_stddev/{model.layers[0].kernel.path}"]) == 2
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
+        callbacks.PosteriorTensorBoard(tmp_path / "b", histogram_freq=0, update_freq=2)])
+    assert [step for step, _, _ in read_events(tmp_path / "b")["elbo/kl"]] == [8, 9]

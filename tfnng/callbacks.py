@@ -15,6 +15,7 @@ Both accept a plain Keras model compiled with a tfnng optimizer and a :class:`tf
 also when Keras has wrapped the optimizer in a ``LossScaleOptimizer`` (``"mixed_float16"``).
 """
 
+import contextlib
 import os
 
 import keras
@@ -27,7 +28,7 @@ from tfnng import metrics as _metrics
 from tfnng._names import unique_names
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
-from tfnng.predict import _inputs, _likelihood_of, predict
+from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, predict
 
 
 def _tfnng_optimizer(model, caller):
@@ -83,9 +84,12 @@ class PredictiveValidation(keras.callbacks.Callback):
         self._check_data(_likelihood_of(self.model, self.likelihood))
 
     def _check_data(self, likelihood):
-        """The validation inputs' type, the number of targets, and classification labels that
-        accuracy and ECE can score (class ids or one-hot rows)."""
-        num_inputs = _inputs(self.x).shape[0]
+        """The validation inputs' type, the number of targets, classification labels that accuracy
+        and ECE can score (class ids or one-hot rows), and, for a built model, that the model and
+        the likelihood score the first example (its shapes and types; a forward pass at the current
+        weights with ``training=False``; random-number states are restored)."""
+        x = _inputs(self.x)
+        num_inputs = x.shape[0]
         y = np.asarray(self.y)
         if y.ndim == 0 or len(y) != num_inputs:
             raise ValueError(f"PredictiveValidation: `y` has {len(y) if y.ndim else 0} targets for "
@@ -96,6 +100,26 @@ class PredictiveValidation(keras.callbacks.Callback):
             except ValueError as error:
                 raise ValueError(f"PredictiveValidation scores accuracy and calibration, which need "
                                  f"class ids or one-hot labels (not soft labels): {error}") from None
+        if self.model.built:
+            try:
+                with self._random_states_kept():        # an MC dropout layer draws even here
+                    likelihood.log_prob(y[:1], self.model(x[:1], training=False))
+            except (ValueError, TypeError, tf.errors.OpError) as error:
+                raise ValueError("PredictiveValidation: the model and its likelihood cannot score "
+                                 f"the validation data `x`, `y`: {error}") from error
+
+    @contextlib.contextmanager
+    def _random_states_kept(self):
+        """Restores the optimizer's weight-noise generator and the model's own random-number
+        states (MC dropout) on exit, so that training continues as without the callback."""
+        states = [_tfnng_optimizer(self.model, type(self).__name__)._seed_generator.state] + [
+            self.model.non_trainable_variables[i] for i in _seed_generator_states(self.model)]
+        saved = [state.numpy() for state in states]
+        try:
+            yield
+        finally:
+            for state, value in zip(states, saved):
+                state.assign(value)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None or (epoch + 1) % self.every:
@@ -107,13 +131,9 @@ class PredictiveValidation(keras.callbacks.Callback):
         if self.model is None:
             raise ValueError("PredictiveValidation.evaluate() needs a model: pass the callback to "
                              "`model.fit`, or call `callback.set_model(model)` first.")
-        noise_state = _tfnng_optimizer(self.model, type(self).__name__)._seed_generator.state
-        saved = noise_state.numpy()
-        try:
+        with self._random_states_kept():
             prediction = predict(self.model, self.x, num_samples=self.num_samples,
                                  batch_size=self.batch_size, likelihood=self.likelihood)
-        finally:
-            noise_state.assign(saved)
         scores = {"nll": -float(np.mean(prediction.log_likelihood(self.y)))}
         if prediction.likelihood.is_classification:
             scores["accuracy"] = _metrics.accuracy(self.y, prediction.probs)
@@ -179,7 +199,10 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
     Bayesian variable (point estimates excluded), every ``histogram_freq`` epochs.
 
     The step of a summary is the epoch with ``update_freq="epoch"`` and the number of training
-    batches seen otherwise (for a pipeline of unknown length: the optimizer's iterations).
+    batches seen otherwise, counted on from the optimizer's ``iterations`` when the callback first
+    sees the model (so a run resumed by ``BackupAndRestore``, or a second callback, continues the
+    count instead of restarting at 0). Summaries are written whatever recording condition another
+    callback (``keras.callbacks.TensorBoard(update_freq=k)``) left set.
 
     Args:
         log_dir: directory of the event files (may be shared with ``keras.callbacks.TensorBoard``).
@@ -199,15 +222,18 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
         self.update_freq = update_freq
         self.bucket_count = _positive_int("bucket_count", bucket_count)
         self._writer = None
-        self._batches_seen = self._batches_before_epoch = 0
+        self._batches_seen, self._batches_before_epoch = None, 0
 
     def on_train_begin(self, logs=None):
         self._optimizer = _tfnng_optimizer(self.model, type(self).__name__)
         self._writer = tf.summary.create_file_writer(self.log_dir)
 
     def on_epoch_begin(self, epoch, logs=None):
+        iterations = int(self.model.optimizer.iterations)
+        if self._batches_seen is None:      # here: BackupAndRestore restores at train begin
+            self._batches_seen = iterations
         self._batches_before_epoch = self._batches_seen
-        self._iterations_before_epoch = int(self.model.optimizer.iterations)
+        self._iterations_before_epoch = iterations
 
     def on_train_batch_end(self, batch, logs=None):
         # ``batch`` is the epoch's last batch run so far: with ``steps_per_execution`` s > 1 Keras
@@ -246,14 +272,14 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
             scalars["elbo/val_nll"] = val_nll
         scalars.update({f"optimizer/{name}": value
                         for name, value in optimizer_scalars(optimizer).items()})
-        with self._writer.as_default():
+        with self._writer.as_default(), tf.summary.record_if(True):
             for tag, value in scalars.items():
                 tf.summary.write(tag, tf.constant(float(value), tf.float32), step=step,
                                  metadata=_SCALAR)
 
     def _write_histograms(self, step):
         variables = [v for v in self.model.trainable_variables if not _markers.is_point_estimate(v)]
-        with self._writer.as_default():
+        with self._writer.as_default(), tf.summary.record_if(True):
             for name, variable in zip(unique_names([v.path for v in variables]), variables):
                 stddev = self._optimizer.posterior_stddev(variable).numpy()
                 tf.summary.write(f"posterior_stddev/{name}",

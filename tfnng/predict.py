@@ -120,6 +120,13 @@ def _frozen_variables(model, optimizer):
     return [v for v in optimizer._trainable_variables if id(v) not in trainable]
 
 
+def _seed_generator_states(model):
+    """Indices in ``model.non_trainable_variables`` of the states of Keras ``SeedGenerator`` s (the
+    variables Keras names ``seed_generator_state``: MC dropout's random numbers, for example)."""
+    return [i for i, v in enumerate(model.non_trainable_variables)
+            if v.name == "seed_generator_state"]
+
+
 # Traced functions kept across calls (a trace costs more than a small prediction), one per model and
 # one per optimizer. They hold their owner only by weak reference, so the caches free nothing early
 # and keep nothing alive.

@@ -45,7 +45,8 @@ from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 from tfnng.optimizers.kfac import NoisyKFAC
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
-from tfnng.predict import _frozen_variables, _likelihood_of, predictive_moments
+from tfnng.predict import (_frozen_variables, _likelihood_of, _seed_generator_states,
+                           predictive_moments)
 
 #: Output names -> key of :func:`tfnng.predict.predictive_moments`, per kind of likelihood.
 REGRESSION_OUTPUTS = {"mean": "mean", "variance": "variance",
@@ -276,13 +277,6 @@ def _tensor_specs(model):
 # Folded into each sample's seed for the states of the model's Keras seed generators (a stream
 # apart from the weight noise's).
 _GENERATOR_STREAM = 1
-
-
-def _seed_generator_states(model):
-    """Indices in ``model.non_trainable_variables`` of the states of Keras ``SeedGenerator`` s (the
-    variables Keras names ``seed_generator_state``)."""
-    return [i for i, v in enumerate(model.non_trainable_variables)
-            if v.name == "seed_generator_state"]
 
 
 def _batch_major(samples):
