@@ -3,6 +3,7 @@ synthetic folder, and quick end-to-end runs of the ``uci`` and ``speed`` tasks."
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -11,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import tfnng
 from tfnng.bench import _results, speed, uci
 from tfnng.bench.__main__ import main
 
 PROJECT_ROOT = Path(__file__).parents[1]
 UCI_DIR = PROJECT_ROOT.parent / "shared" / "datasets" / "uci"
-RECORD_KEYS = {"task", "command", "date", "machine", "settings", "results"}
+RECORD_KEYS = {"task", "command", "date", "code", "machine", "settings", "results"}
 
 
 def _run_bench(*args):
@@ -98,6 +100,8 @@ def test_uci_checks_every_data_set_before_training_any(tmp_path, monkeypatch):
             "--out", str(tmp_path / "r.json")]
     with pytest.raises(SystemExit, match="--first-split 2: energy has splits 0 to 0"):
         main(argv + ["--first-split", "2"])
+    with pytest.raises(SystemExit, match="--mc-samples 2: adam is a MAP method"):
+        main(argv + ["--method", "noisy_adam,adam", "--mc-samples", "2"])   # noisy_adam used to train
     (tmp_path / "energy" / "index_test_0.txt").unlink()
     with pytest.raises(SystemExit, match=r"energy in .* is incomplete \(missing: index_test_0.txt\)"):
         main(argv)
@@ -159,6 +163,10 @@ def test_dataset_names_and_aliases():
 def test_unknown_names_stop_with_a_message(tmp_path):
     with pytest.raises(SystemExit, match="unknown method"):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "sgd"])
+    with pytest.raises(SystemExit, match="adam given more than once"):
+        main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "adam,adam"])
+    with pytest.raises(SystemExit, match="Adam given more than once"):
+        main(["speed", "--optimizers", "Adam,NoisyAdam,Adam", "--out", str(tmp_path / "s.json")])
     with pytest.raises(SystemExit, match="UCI data not found"):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht"])
 
@@ -178,6 +186,8 @@ def test_unknown_names_stop_with_a_message(tmp_path):
     ["kfac_digits", "--epochs", "-1"],
     ["kfac_digits", "--num-samples", "0"],
     ["kfac_digits", "--test-fraction", "1.5"],
+    ["kfac_digits", "--seed", "-1"],                        # used to end in a traceback
+    ["logreg", "--seed", "-1"],
 ])
 def test_out_of_range_numbers_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -252,6 +262,10 @@ def test_uci_quick_run_on_yacht(tmp_path):
     record = json.loads(out.read_text())
     assert RECORD_KEYS <= set(record) and record["task"] == "uci"
     assert record["machine"]["cpu_count"] >= 1 and record["settings"]["quick"] is True
+    assert record["code"]["tfnng"] == tfnng.__version__
+    if (PROJECT_ROOT / ".git").exists():            # the record names the commit that produced it
+        assert re.fullmatch("[0-9a-f]{40}", record["code"]["commit"])
+        assert isinstance(record["code"]["uncommitted_changes"], bool)
     folder = UCI_DIR / "yacht"
     targets = np.loadtxt(folder / "data.txt")[:, int(np.loadtxt(folder / "index_target.txt"))]
     summaries = record["results"]["summaries"]

@@ -78,6 +78,8 @@ def main(argv=None):
                         help="lambda of the ELBO; < 1 tempers the posterior (NNG App. C.2)")
     parser.add_argument("--smoke", action="store_true", help="one epoch, few predictive samples")
     args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error("--epochs must be at least 1")
     epochs = 1 if args.smoke else args.epochs
     num_samples = 5 if args.smoke else 50
 

@@ -116,6 +116,11 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
     parser.add_argument("--smoke", action="store_true", help="two epochs on 128 examples")
     args = parser.parse_args(argv)
+    if min(args.replicas, args.epochs, args.batch_size) < 1:
+        parser.error("--replicas, --epochs and --batch-size must be at least 1")
+    if args.batch_size % args.replicas:
+        parser.error("--batch-size must be a multiple of --replicas (Keras splits each global "
+                     "batch into equal shares)")
     devices = configure_logical_cpus(args.replicas)
     mirrored = tf.distribute.MirroredStrategy(devices)
     print(f"MirroredStrategy over {mirrored.num_replicas_in_sync} replicas: {devices}")

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +23,9 @@ def parse_names(text, known, kind, allow_all=False):
     if unknown:
         choices = ", ".join(known) + (" or 'all'" if allow_all else "")
         raise SystemExit(f"unknown {kind} {', '.join(unknown)}; choose from {choices}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SystemExit(f"{kind} {', '.join(repeated)} given more than once")
     return names
 
 
@@ -105,6 +109,27 @@ def format_mean_se(mean, se, digits=3):
     return f"{mean:.{digits}f} ± {se_text}"
 
 
+def code_version():
+    """tfnng's version and, when it runs from a git checkout, the commit and whether tracked files
+    differ from it (None where git or the checkout is not available)."""
+    import tfnng
+
+    root = Path(tfnng.__file__).resolve().parents[1]
+
+    def git(*args):
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"tfnng": tfnng.__version__, "commit": commit,
+            "uncommitted_changes": None if changes is None else bool(changes)}
+
+
 def machine_info():
     """Platform, Python, CPU count and TensorFlow/Keras versions of this process."""
     import keras
@@ -141,12 +166,14 @@ def write_json(path, task, command, settings, results):
     """Write a benchmark record to ``path`` (parent folders are created) and return the record.
 
     The record holds the task name, the ``command`` line (list of strings), the date (UTC, ISO 8601),
-    :func:`machine_info`, the task's ``settings`` and its ``results``; NaN/inf become ``null``.
+    :func:`code_version`, :func:`machine_info`, the task's ``settings`` and its ``results``; NaN/inf
+    become ``null``.
     """
     record = {
         "task": task,
         "command": list(command),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "code": code_version(),
         "machine": machine_info(),
         "settings": settings,
         "results": results,

@@ -7,7 +7,9 @@ Conv2D 32 3x3 ReLU, Flatten, Dense 64 ReLU, Dense 10 logits) trained with ``Cate
 ``tfnng.BayesianModel`` + ``NoisyKFAC``, T_stats = 10, T_inv = 200, beta~ = 0.01 and the KL-clipped
 step size as NNG App. C.2),
 ``kfac`` (point estimate, the same machinery without noise, L2 equal to noisy K-FAC's intrinsic
-damping as in NNG sec. 5.2), ``noisy_adam`` (NNG-FFG) and ``adam`` (MAP, L2 from the same prior).
+damping as in NNG sec. 5.2), ``noisy_adam`` (NoisyAdam on the plain model: the squared batch
+gradient stands in for Alg. 1's per-example Fisher, so not NNG-FFG as published) and ``adam`` (MAP,
+L2 from the same prior).
 The Bayesian methods predict with ``--num-samples`` weight samples (``tfnng.predict``). Reported per
 method: test accuracy, test NLL per example (of the Monte Carlo predictive), expected calibration
 error (15 bins, Guo et al. 2017) and training time; a reliability diagram of every method is written to
@@ -156,7 +158,7 @@ def add_arguments(parser):
                         help="predictive weight samples (default: %(default)s)")
     parser.add_argument("--test-fraction", type=_results.open_fraction, default=0.3,
                         help="(default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=_results.non_negative_int, default=0, help="(default: %(default)s)")
     parser.add_argument("--png", default=None,
                         help="reliability diagram PNG (default: beside --out, <out>_reliability.png)")
     parser.add_argument("--out", default="results/kfac_digits.json", help="JSON (default: %(default)s)")
@@ -181,6 +183,7 @@ def run(args):
     plot_reliability(rows, args.png)
     settings = {key: getattr(args, key) for key in ("methods", "epochs", "batch_size", "num_samples",
                                                     "test_fraction", "seed", "png")}
+    settings["methods"] = methods
     settings["learning_rates"] = DEFAULT_LEARNING_RATES
     _results.write_json(args.out, "kfac_digits", args.command, settings,
                         {"rows": rows})

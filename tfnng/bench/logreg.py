@@ -452,7 +452,7 @@ def add_arguments(parser):
                         help=f"comma-separated methods ({', '.join(METHODS)}) or 'all' (default)")
     parser.add_argument("--splits", type=_results.positive_int, default=None,
                         help=f"number of random 50/50 splits (default: {DEFAULT_SPLITS}, as in SLANG)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the splits (default: 0)")
+    parser.add_argument("--seed", type=_results.non_negative_int, default=0, help="seed of the splits (default: 0)")
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_SPLITS} splits")
     parser.add_argument("--out", default=None, help="JSON file (default: results/logreg.json)")
 

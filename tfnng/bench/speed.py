@@ -154,19 +154,24 @@ def _cpu_ms_per_call(fn, calls=1, repeats=3):
     return statistics.median(times)
 
 
-def _inverse_update_cpu_ms(optimizer):
+def _num_parameters(model):
+    """Trainable weights (count_params would add a BayesianModel's target-sampling seed state)."""
+    return int(sum(np.prod(v.shape) for v in model.trainable_variables))
+
+
+def _inverse_update_cpu_ms(optimizer, jit_compile=False):
     """Process CPU milliseconds of one K-FAC inverse update alone (eq. 13: one eigendecomposition per
-    Kronecker factor and the cached inverses)."""
-    return _cpu_ms_per_call(tf.function(optimizer._update_inverses))
+    Kronecker factor and the cached inverses), compiled as the timed steps were."""
+    return _cpu_ms_per_call(tf.function(optimizer._update_inverses, jit_compile=jit_compile))
 
 
-def _update_cpu_ms(optimizer, variables):
+def _update_cpu_ms(optimizer, variables, jit_compile=False):
     """Process CPU milliseconds of the optimizer's own update alone: ``apply_gradients`` with fixed
-    gradients, no forward/backward pass. For the optimizers that need no curvature statistics; it
-    moves their state on."""
+    gradients, no forward/backward pass, compiled as the timed steps were. For the optimizers that
+    need no curvature statistics; it moves their state on."""
     grads = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
-    return _cpu_ms_per_call(tf.function(lambda: optimizer.apply_gradients(zip(grads, variables))),
-                            calls=50)
+    return _cpu_ms_per_call(tf.function(lambda: optimizer.apply_gradients(zip(grads, variables)),
+                                        jit_compile=jit_compile), calls=50)
 
 
 def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_steps=200, jit_compile=False,
@@ -189,7 +194,7 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
     for name in optimizers:
         wall, cpu, loss = zip(*times[name])
         rows.append({
-            "model": model_name, "optimizer": name, "num_parameters": models[name].count_params(),
+            "model": model_name, "optimizer": name, "num_parameters": _num_parameters(models[name]),
             "ms_per_step": statistics.median(wall), "cpu_ms_per_step": statistics.median(cpu),
             "ms_per_step_repeats": list(wall), "cpu_ms_per_step_repeats": list(cpu),
             "state_bytes": state_bytes(models[name].optimizer),
@@ -202,10 +207,11 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
             row[ratio] = row[key] / rows[0][key]
         optimizer = models[row["optimizer"]].optimizer
         if row["optimizer"] not in CURVATURE_OPTIMIZERS:        # after the timed steps: moves the state
-            row["update_cpu_ms"] = _update_cpu_ms(optimizer, models[row["optimizer"]].trainable_variables)
+            row["update_cpu_ms"] = _update_cpu_ms(optimizer, models[row["optimizer"]].trainable_variables,
+                                                  jit_compile)
             row["update_cpu_ms_over_reference_step"] = row["update_cpu_ms"] / rows[0]["cpu_ms_per_step"]
         if isinstance(optimizer, tfnng.optimizers.NoisyKFAC):   # its step times include one per T_inv steps
-            row["inverse_update_cpu_ms"] = _inverse_update_cpu_ms(optimizer)
+            row["inverse_update_cpu_ms"] = _inverse_update_cpu_ms(optimizer, jit_compile)
             row["inverse_every"] = optimizer.inverse_every
             row["amortised_inverse_update_ratio"] = (
                 row["inverse_update_cpu_ms"] / optimizer.inverse_every / rows[0]["cpu_ms_per_step"])

@@ -113,7 +113,9 @@ METHODS = {
                    "L2 penalty kl_weight/(2*prior_variance*N) per weight on the mean loss",
                    bayesian=False),
     "noisy_adam": Method("NoisyAdam", {"beta_1": 0.9, "beta_2": 0.999, "hess_init": 1.0},
-                         "NNG Alg. 1 and App. C.1: beta~ = 0.001 (beta_2 = 1 - beta~), momentum beta_1 "
+                         "NNG Alg. 1's update on the plain model (the squared batch gradient for "
+                         "its per-example Fisher: noisy_adam_fisher is Alg. 1 as published) and "
+                         "App. C.1: beta~ = 0.001 (beta_2 = 1 - beta~), momentum beta_1 "
                          "= 0.9 as in Adam. hess_init = 1 (tfnng's default; Alg. 1 leaves f's start open): "
                          "with f = 0 and no bias correction the first mean steps alpha*m/(f + gamma_in) "
                          "blew up in our runs (concrete split 0: test RMSE > 100)"),
@@ -200,7 +202,9 @@ def check_dataset(data_dir, dataset, first_split, splits):
 
 
 def _standardise(train, test):
-    """Normalise both arrays with the mean/std of ``train`` (columns with zero std get std 1)."""
+    """Normalise both arrays with the mean/std of ``train`` (columns with zero std get std 1; a
+    column constant up to rounding, std ~1e-16 as one of naval's, becomes a constant, as in the
+    reference code of the MC-dropout numbers)."""
     mean = train.mean(axis=0)
     std = train.std(axis=0)
     std = np.where(std > 0, std, 1.0)
@@ -337,6 +341,15 @@ def run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
                                  num_predictive_samples=num_predictive_samples, mc_samples=mc_samples)}
 
 
+def check_mc_samples(method, mc_samples):
+    """Exit with a clear message unless ``method`` takes ``mc_samples`` weight samples per batch
+    (the optimizer's own check: the MAP baseline draws none)."""
+    try:
+        _make_optimizer(method, num_examples=1, total_steps=1, seed=0, mc_samples=mc_samples)
+    except ValueError as error:
+        raise SystemExit(f"--mc-samples {mc_samples}: {error}") from None
+
+
 def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None, first_split=0,
                   num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
     """Standard splits ``first_split, first_split + 1, ...`` (all, or ``splits`` of them) of one data set
@@ -347,10 +360,7 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
         raise SystemExit(f"--splits {splits}: run at least one split")
     if num_predictive_samples < 1:
         raise SystemExit(f"--predictive-samples {num_predictive_samples}: use at least one sample")
-    try:        # the optimizer's own check (the MAP baseline draws no samples)
-        _make_optimizer(method, num_examples=1, total_steps=1, seed=0, mc_samples=mc_samples)
-    except ValueError as error:
-        raise SystemExit(f"--mc-samples {mc_samples}: {error}") from None
+    check_mc_samples(method, mc_samples)
     split_ids = _split_ids(n_splits, first_split, splits)
     if splits is not None and len(split_ids) < splits:
         print(f"{dataset} has splits 0 to {n_splits - 1}: running {len(split_ids)} of the {splits} "
@@ -403,7 +413,11 @@ def _parse_list(text, all_values, resolve):
     """Names in the comma-separated ``text`` checked by ``resolve``; ``all`` gives ``all_values``."""
     if text == "all":
         return list(all_values)
-    return [resolve(name) for name in text.split(",")]
+    names = [resolve(name) for name in text.split(",")]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)} given more than once")
+    return names
 
 
 def _resolve_method(name):
@@ -435,7 +449,9 @@ def add_arguments(parser):
                              "not for the MAP baseline)")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs (unless given)")
-    parser.add_argument("--out", default=None, help="JSON file (default: results/uci_<dataset>_<method>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file (default: results/uci_<dataset>_<method>_from<first split>"
+                             "[x<splits>]_e<epochs>.json)")
 
 
 def run(args):
@@ -445,15 +461,21 @@ def run(args):
         methods = _parse_list(args.method, METHODS, _resolve_method)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    out = args.out or f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}.json"
+    splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
+    epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
+    # The default name says which splits and epochs it holds: "splits 0-9, then --first-split 10"
+    # writes two files.
+    split_range = f"from{args.first_split}" + ("" if splits is None else f"x{splits}")
+    out = args.out or (f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}"
+                       f"_{split_range}_e{epochs}.json")
     _results.check_writable(out, "--out")
     missing = [d for d in datasets if not (Path(args.data_dir) / d).is_dir()]
     if missing:
         raise SystemExit(f"UCI data not found in {args.data_dir!r} (missing: {', '.join(missing)})")
-    splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
-    for dataset in datasets:           # every data set is checked before the first one trains
+    for dataset in datasets:           # every data set and method is checked before the first trains
         check_dataset(args.data_dir, dataset, args.first_split, splits)
-    epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
+    for method in methods:
+        check_mc_samples(method, args.mc_samples)
     summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split,
                                args.predictive_samples, args.mc_samples)
                  for dataset in datasets for method in methods]
