@@ -66,7 +66,8 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
                 / tf.cast(gradients.num_columns, tf.float64))
 
     def _update_flat(self, mean, grad, weight, curvature, lr, beta):
-        fisher = (1 - tf.cast(beta, tf.float64)) * self._fisher + tf.cast(beta, tf.float64) * curvature
+        beta = tf.cast(beta, tf.float64)
+        fisher = (1 - beta) * self._fisher + beta * curvature
         self._fisher.assign(fisher)
         chol = _full.cholesky(_full.damped_precision(fisher, 1.0, self.intrinsic_damping))
         self._chol.assign(tf.cast(chol, self._chol.dtype))
