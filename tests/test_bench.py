@@ -163,7 +163,7 @@ def test_dataset_names_and_aliases():
 def test_unknown_names_stop_with_a_message(tmp_path):
     with pytest.raises(SystemExit, match="unknown method"):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "sgd"])
-    with pytest.raises(SystemExit, match="adam given more than once"):
+    with pytest.raises(SystemExit, match="method adam given more than once"):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "adam,adam"])
     with pytest.raises(SystemExit, match="Adam given more than once"):
         main(["speed", "--optimizers", "Adam,NoisyAdam,Adam", "--out", str(tmp_path / "s.json")])

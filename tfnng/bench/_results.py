@@ -23,6 +23,11 @@ def parse_names(text, known, kind, allow_all=False):
     if unknown:
         choices = ", ".join(known) + (" or 'all'" if allow_all else "")
         raise SystemExit(f"unknown {kind} {', '.join(unknown)}; choose from {choices}")
+    return check_unique(names, kind)
+
+
+def check_unique(names, kind):
+    """``names``, after stopping the command if one of them is given more than once."""
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise SystemExit(f"{kind} {', '.join(repeated)} given more than once")

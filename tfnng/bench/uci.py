@@ -413,11 +413,7 @@ def _parse_list(text, all_values, resolve):
     """Names in the comma-separated ``text`` checked by ``resolve``; ``all`` gives ``all_values``."""
     if text == "all":
         return list(all_values)
-    names = [resolve(name) for name in text.split(",")]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(f"{', '.join(repeated)} given more than once")
-    return names
+    return [resolve(name) for name in text.split(",")]
 
 
 def _resolve_method(name):
@@ -461,6 +457,8 @@ def run(args):
         methods = _parse_list(args.method, METHODS, _resolve_method)
     except ValueError as error:
         raise SystemExit(str(error)) from None
+    _results.check_unique(datasets, "data set")
+    _results.check_unique(methods, "method")
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
     # The default name says which splits and epochs it holds: "splits 0-9, then --first-split 10"
