@@ -160,6 +160,19 @@ def test_dataset_names_and_aliases():
     assert set(uci.NNG_TABLE_1) == set(uci.MC_DROPOUT) == set(uci.DATASETS)
 
 
+def test_default_uci_out_names_the_splits_and_epochs(tmp_path, monkeypatch):
+    """Two runs over different splits used to write the same default file, the second over the
+    first."""
+    def stop(path, option):
+        raise SystemExit(f"would write {path}")
+    monkeypatch.setattr(_results, "check_writable", stop)
+    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "ivon"]
+    with pytest.raises(SystemExit, match=r"results/uci_yacht_ivon_from0_e200\.json"):
+        main(argv)
+    with pytest.raises(SystemExit, match=r"results/uci_yacht_ivon_from10x10_e1000\.json"):
+        main(argv + ["--first-split", "10", "--splits", "10", "--epochs", "1000"])
+
+
 def test_unknown_names_stop_with_a_message(tmp_path):
     with pytest.raises(SystemExit, match="unknown method"):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "sgd"])
