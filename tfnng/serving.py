@@ -33,7 +33,6 @@ Output names (the ``outputs`` argument selects some; shapes for inputs of batch 
 is the batch, as TF Serving's row ("instances") format requires.
 """
 
-
 import keras
 import numpy as np
 import tensorflow as tf
