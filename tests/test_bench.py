@@ -173,6 +173,46 @@ def test_default_uci_out_names_the_splits_and_epochs(tmp_path, monkeypatch):
         main(argv + ["--first-split", "10", "--splits", "10", "--epochs", "1000"])
 
 
+def test_set_changes_a_method_argument_and_is_recorded(tmp_path, monkeypatch):
+    rng = np.random.default_rng(4)
+    _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
+                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    overrides = {"momentum": 0.5, "kl_clip": None}
+    summary = uci.run_benchmark(tmp_path, "toy", "noisy_kfac", epochs=1, batch_size=4, overrides=overrides)
+    config = summary["optimizer_config"]["config"]
+    assert config["momentum"] == 0.5 and config["kl_clip"] is None
+    assert config["extrinsic_damping"] == uci.METHODS["noisy_kfac"].hyper_parameters["extrinsic_damping"]
+    assert summary["overrides"] == overrides and summary["hyper_parameters"]["momentum"] == 0.5
+    assert uci._table_rows([{**summary, "dataset": "yacht"}])[0][1] == "noisy_kfac (momentum=0.5, kl_clip=None)"
+
+    def stop(path, option):
+        raise SystemExit(f"would write {path}")
+    monkeypatch.setattr(_results, "check_writable", stop)
+    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "noisy_kfac"]
+    with pytest.raises(SystemExit, match=r"results/uci_yacht_noisy_kfac_momentum=0\.9_kl_clip=None_from0_e200"):
+        main(argv + ["--set", "momentum=0.9", "--set", "kl_clip=None"])
+    assert uci.parse_setting("fisher=empirical") == ("fisher", "empirical")
+
+
+def test_set_rejects_what_the_optimizer_does_not_take_before_training(tmp_path, monkeypatch, capsys):
+    _write_uci_folder(tmp_path, np.random.default_rng(5).normal(size=(12, 3)), features=[0, 1], target=2,
+                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    (tmp_path / "toy").rename(tmp_path / "yacht")
+    monkeypatch.setattr(uci, "run_split", lambda *a, **k: pytest.fail("trained before the checks"))
+    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--epochs", "1",
+            "--out", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit, match="ivon with --mc-samples 1 --set momentum=0.9: .*momentum"):
+        main(argv + ["--method", "noisy_kfac,ivon", "--set", "momentum=0.9"])
+    with pytest.raises(SystemExit, match="noisy_kfac with .*--set kl_clip=-1"):
+        main(argv + ["--method", "noisy_kfac", "--set", "kl_clip=-1"])
+    with pytest.raises(SystemExit, match="--set momentum given more than once"):
+        main(argv + ["--method", "noisy_kfac", "--set", "momentum=0.9", "--set", "momentum=0.5"])
+    for bad in ("momentum", "=1", "learning_rate=0.1", "mc_samples=2"):
+        with pytest.raises(SystemExit) as stop:
+            main(argv + ["--set", bad])
+        assert stop.value.code == 2 and "argument --set:" in capsys.readouterr().err
+
+
 def test_unknown_names_stop_with_a_message(tmp_path):
     with pytest.raises(SystemExit, match="unknown method"):
         main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "sgd"])

@@ -10,10 +10,14 @@ original target units, then averaged over splits (± standard error). Reference 
 paper (Table 1) and of MC dropout (datasets/uci/README.md) are printed alongside. ``--mc-samples S``
 trains on S weight samples per mini-batch (each batch is fed S times to an optimizer with
 ``mc_samples=S``: the same number of posterior updates, each with the average of S gradients).
+``--set NAME=VALUE`` changes one of the method's constructor arguments (e.g. ``--set momentum=0.9``,
+``--set kl_clip=None``); the protocol's shared settings stay fixed.
 
 Example: ``python -m tfnng.bench uci --data-dir ../shared/datasets/uci --dataset yacht --method noisy_adam``
 """
 
+import argparse
+import ast
 import dataclasses
 import math
 import time
@@ -237,17 +241,29 @@ def _learning_rate(total_steps):
         [max(total_steps // 2, 1)], [LEARNING_RATE, LEARNING_RATE * LEARNING_RATE_DECAY])
 
 
-def _make_optimizer(method, num_examples, total_steps, seed, mc_samples=1):
+# Constructor arguments the protocol fixes for every method (``--mc-samples`` sets mc_samples);
+# ``--set`` may not change them.
+SHARED_ARGUMENTS = ("learning_rate", "num_examples", "prior_variance", "prior_precision", "kl_weight",
+                    "seed", "mc_samples")
+
+
+def hyper_parameters(method, overrides=None):
+    """``method``'s constructor arguments: its ``METHODS`` entry updated with ``overrides``."""
+    return {**METHODS[method].hyper_parameters, **(overrides or {})}
+
+
+def _make_optimizer(method, num_examples, total_steps, seed, mc_samples=1, overrides=None):
     spec = METHODS[method]
+    arguments = hyper_parameters(method, overrides)
     if not spec.bayesian:
         if mc_samples != 1:
             raise ValueError(f"{method} is a MAP method: it draws no weight samples (mc_samples=1 only).")
         optimizer_class = getattr(keras.optimizers, spec.optimizer)
-        return optimizer_class(learning_rate=_learning_rate(total_steps), **spec.hyper_parameters)
+        return optimizer_class(learning_rate=_learning_rate(total_steps), **arguments)
     optimizer_class = getattr(tfnng.optimizers, spec.optimizer)
     return optimizer_class(learning_rate=_learning_rate(total_steps), num_examples=num_examples,
                            prior_variance=PRIOR_VARIANCE, kl_weight=KL_WEIGHT, seed=seed,
-                           mc_samples=mc_samples, **spec.hyper_parameters)
+                           mc_samples=mc_samples, **arguments)
 
 
 def _make_model(method, num_inputs, num_hidden, num_examples):
@@ -285,7 +301,7 @@ def _training_batches(data, batch_size, epochs, seed, mc_samples=1):
 
 
 def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbose=0,
-                       num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
+                       num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1, overrides=None):
     """Train ``method`` on a normalised :class:`Split`; test metrics in original units and timings.
 
     Returns test RMSE, per-point test log-likelihood, the coverage of the central 95% predictive
@@ -298,7 +314,7 @@ def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbo
     model = _make_model(method, num_inputs, num_hidden, num_examples)
     # Learning-rate schedules of tfnng optimizers count posterior updates, not evaluations.
     optimizer = _make_optimizer(method, num_examples, epochs * steps_per_epoch, seed=seed,
-                                mc_samples=mc_samples)
+                                mc_samples=mc_samples, overrides=overrides)
     if getattr(optimizer, "curvature_requirements", None) is not None:
         # Layer inputs and per-example pre-activation gradients come from BayesianModel.
         model = tfnng.BayesianModel(model)
@@ -333,34 +349,54 @@ def train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed, verbo
 
 
 def run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
-              num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
+              num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1, overrides=None):
     """Train ``method`` on standard split ``split`` of ``dataset`` (seeded by the split number)."""
     data = load_split(data_dir, dataset, split)
     return {"split": split,
             **train_and_evaluate(data, method, epochs, batch_size, num_hidden, seed=split,
-                                 num_predictive_samples=num_predictive_samples, mc_samples=mc_samples)}
+                                 num_predictive_samples=num_predictive_samples, mc_samples=mc_samples,
+                                 overrides=overrides)}
 
 
-def check_mc_samples(method, mc_samples):
-    """Exit with a clear message unless ``method`` takes ``mc_samples`` weight samples per batch
-    (the optimizer's own check: the MAP baseline draws none)."""
+def parse_setting(text):
+    """argparse type of ``--set``: ``NAME=VALUE`` as ``(NAME, value)``; the value is read as a Python
+    literal (``0.9``, ``None``, ``True``), else kept as a string (``fisher=empirical``)."""
+    name, equals, value = text.partition("=")
+    name = name.strip()
+    if not equals or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    if name in SHARED_ARGUMENTS:
+        raise argparse.ArgumentTypeError(
+            f"{name} is a protocol setting shared by every method ({', '.join(SHARED_ARGUMENTS)}); "
+            "--mc-samples sets mc_samples")
     try:
-        _make_optimizer(method, num_examples=1, total_steps=1, seed=0, mc_samples=mc_samples)
-    except ValueError as error:
-        raise SystemExit(f"--mc-samples {mc_samples}: {error}") from None
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return name, value.strip()
+
+
+def check_optimizer(method, mc_samples=1, overrides=None):
+    """Exit with a clear message unless ``method``'s optimizer accepts ``mc_samples`` weight samples per
+    batch (the MAP baseline draws none) and the ``overrides`` of ``--set``."""
+    try:
+        _make_optimizer(method, num_examples=1, total_steps=1, seed=0, mc_samples=mc_samples,
+                        overrides=overrides)
+    except (TypeError, ValueError) as error:
+        given = [f"--mc-samples {mc_samples}"] + [f"--set {k}={v!r}" for k, v in (overrides or {}).items()]
+        raise SystemExit(f"{method} with {' '.join(given)}: {error}") from None
 
 
 def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_size=None, first_split=0,
-                  num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1):
+                  num_predictive_samples=NUM_PREDICTIVE_SAMPLES, mc_samples=1, overrides=None):
     """Standard splits ``first_split, first_split + 1, ...`` (all, or ``splits`` of them) of one data set
-    for one method, with a summary."""
+    for one method (its constructor arguments updated with ``overrides``), with a summary."""
     check_dataset(data_dir, dataset, first_split, splits)
     rows, n_splits, num_hidden = dataset_info(data_dir, dataset)
     if splits is not None and splits < 1:
         raise SystemExit(f"--splits {splits}: run at least one split")
     if num_predictive_samples < 1:
         raise SystemExit(f"--predictive-samples {num_predictive_samples}: use at least one sample")
-    check_mc_samples(method, mc_samples)
+    check_optimizer(method, mc_samples, overrides)
     split_ids = _split_ids(n_splits, first_split, splits)
     if splits is not None and len(split_ids) < splits:
         print(f"{dataset} has splits 0 to {n_splits - 1}: running {len(split_ids)} of the {splits} "
@@ -370,7 +406,7 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
     per_split = []
     for split in split_ids:
         result = run_split(data_dir, dataset, split, method, epochs, batch_size, num_hidden,
-                           num_predictive_samples, mc_samples)
+                           num_predictive_samples, mc_samples, overrides)
         optimizer_config = result.pop("optimizer_config")  # the same for all splits but N, seed, decay step
         per_split.append(result)
         print(f"{dataset} {method} split {split}: RMSE {result['rmse']:.4f}  test LL {result['test_ll']:.4f}  "
@@ -379,7 +415,8 @@ def run_benchmark(data_dir, dataset, method, splits=None, epochs=EPOCHS, batch_s
     ll, ll_se = _results.mean_and_standard_error([r["test_ll"] for r in per_split])
     return {
         "dataset": dataset, "method": method,
-        "hyper_parameters": METHODS[method].hyper_parameters, "source": METHODS[method].source,
+        "hyper_parameters": hyper_parameters(method, overrides), "overrides": dict(overrides or {}),
+        "source": METHODS[method].source,
         "optimizer_config": optimizer_config,
         "n_splits": len(per_split), "n_hidden": num_hidden, "epochs": epochs, "batch_size": batch_size,
         "mc_samples": mc_samples, "rmse": rmse, "rmse_se": rmse_se, "test_ll": ll, "test_ll_se": ll_se,
@@ -400,7 +437,8 @@ def _table_rows(summaries):
     rows = []
     for dataset in dict.fromkeys(s["dataset"] for s in summaries):
         for s in (s for s in summaries if s["dataset"] == dataset):
-            rows.append([dataset, s["method"], s["n_splits"], s["epochs"], s["batch_size"],
+            settings = ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items())
+            rows.append([dataset, s["method"] + (f" ({settings})" if settings else ""), s["n_splits"], s["epochs"], s["batch_size"],
                          _results.format_mean_se(s["rmse"], s["rmse_se"]),
                          _results.format_mean_se(s["test_ll"], s["test_ll_se"]), f"{s['seconds']:.0f}"])
         for label, (rmse, rmse_se, ll, ll_se) in _references(dataset).items():
@@ -443,6 +481,11 @@ def add_arguments(parser):
     parser.add_argument("--mc-samples", type=_results.positive_int, default=1,
                         help="weight samples per mini-batch in training (default: %(default)s; "
                              "not for the MAP baseline)")
+    parser.add_argument("--set", dest="overrides", metavar="NAME=VALUE", type=parse_setting,
+                        action="append", default=[],
+                        help="change one constructor argument of the methods' optimizers (repeatable; "
+                             "e.g. momentum=0.9, kl_clip=None; not the shared " + ", ".join(SHARED_ARGUMENTS)
+                             + ")")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs (unless given)")
     parser.add_argument("--out", default=None,
@@ -459,13 +502,16 @@ def run(args):
         raise SystemExit(str(error)) from None
     _results.check_unique(datasets, "data set")
     _results.check_unique(methods, "method")
+    _results.check_unique([name for name, _ in args.overrides], "--set")
+    overrides = dict(args.overrides)
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
     # The default name says which splits and epochs it holds: "splits 0-9, then --first-split 10"
     # writes two files.
     split_range = f"from{args.first_split}" + ("" if splits is None else f"x{splits}")
+    settings_tag = "".join(f"_{name}={value}" for name, value in overrides.items())
     out = args.out or (f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}"
-                       f"_{split_range}_e{epochs}.json")
+                       f"{settings_tag}_{split_range}_e{epochs}.json")
     _results.check_writable(out, "--out")
     missing = [d for d in datasets if not (Path(args.data_dir) / d).is_dir()]
     if missing:
@@ -473,9 +519,9 @@ def run(args):
     for dataset in datasets:           # every data set and method is checked before the first trains
         check_dataset(args.data_dir, dataset, args.first_split, splits)
     for method in methods:
-        check_mc_samples(method, args.mc_samples)
+        check_optimizer(method, args.mc_samples, overrides)
     summaries = [run_benchmark(args.data_dir, dataset, method, splits, epochs, args.batch_size, args.first_split,
-                               args.predictive_samples, args.mc_samples)
+                               args.predictive_samples, args.mc_samples, overrides)
                  for dataset in datasets for method in methods]
     _results.print_table(["dataset", "method", "splits", "epochs", "batch", "test RMSE", "test LL", "time [s]"],
                          _table_rows(summaries), title="\nUCI regression (original units, mean ± standard error)")
@@ -486,6 +532,7 @@ def run(args):
         "learning_rate": LEARNING_RATE, "learning_rate_decay_second_half": LEARNING_RATE_DECAY,
         "prior_variance": PRIOR_VARIANCE, "kl_weight": KL_WEIGHT,
         "num_predictive_samples": args.predictive_samples, "mc_samples": args.mc_samples,
+        "overrides": overrides,
     }
     references = {d: _references(d) for d in datasets}
     _results.write_json(out, "uci", args.command, settings, {"summaries": summaries, "references": references})
