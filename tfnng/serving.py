@@ -9,7 +9,7 @@ sampling state of SLANG and NoisyNaturalGradient), and every call
 1. draws S weight samples with stateless RNG (:func:`tfnng._random.standard_normal`) from a seed,
 2. runs the network functionally at each sample (Keras 3 ``model.stateless_call`` under
    ``tf.map_fn``, whose default in a graph keeps up to 10 samples in flight),
-3. summarises the S outputs with :func:`tfnng.predict.predictive_moments`, the same Monte Carlo
+3. summarises the S outputs with ``predictive_moments`` of the ``tfnng.predict`` module, the same Monte Carlo
    predictive as :func:`tfnng.predict`.
 
 Signatures. TF Serving requires every input of a signature in every request, so the optional seed is
@@ -47,7 +47,7 @@ from tfnng.posteriors import kronecker as _kron
 from tfnng.predict import (_frozen_variables, _likelihood_of, _seed_generator_states,
                            predictive_moments)
 
-#: Output names -> key of :func:`tfnng.predict.predictive_moments`, per kind of likelihood.
+#: Output names -> key of ``predictive_moments`` (module ``tfnng.predict``), per kind of likelihood.
 REGRESSION_OUTPUTS = {"mean": "mean", "variance": "variance",
                       "epistemic_variance": "epistemic_variance",
                       "aleatoric_variance": "aleatoric_variance", "samples": "samples"}

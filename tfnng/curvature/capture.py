@@ -2,7 +2,7 @@
 
 K-FAC needs, for every supported layer, what the averaged gradient cannot give: the layer's input
 activations ``a`` and the gradients ``Ds`` of the log-likelihood with respect to its pre-activations
-``s = a W + b`` (NNG sec. 2.2, eq. 3). They are captured in the training step with the *zero-tensor*
+``s = a W + b`` (NNG sec. 2.4, eq. 3). They are captured in the training step with the *zero-tensor*
 technique (as in kfac-jax): while the forward pass is recorded by a ``tf.GradientTape``, each
 supported layer computes ``activation(s + z)`` with ``z = zeros_like(s)`` watched by the tape; the
 gradient of any scalar with respect to ``z`` is then its gradient with respect to ``s``, and it is

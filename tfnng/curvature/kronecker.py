@@ -1,6 +1,6 @@
 """Kronecker factors of the Fisher from captured layer inputs and pre-activation gradients.
 
-Notation (NNG sec. 2.2, eq. 3 and 12): a layer computes ``s = a^T W`` with the *homogeneous*
+Notation (NNG sec. 2.4, eq. 3, and eq. 12): a layer computes ``s = a^T W`` with the *homogeneous*
 weight matrix ``W = [kernel; bias]`` of shape ``(p, q)`` and input ``a = [x; 1]`` (the 1 only when
 the layer has a bias). With ``Ds`` the per-example gradient of ``log p(y | x, w)`` with respect to
 ``s`` (targets sampled from the model's predictive for the *true* Fisher, NNG footnote 1, or the

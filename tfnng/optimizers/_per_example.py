@@ -95,9 +95,10 @@ class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimize
     Args:
         beta: step size of the curvature (VOGN eq. 10's beta, NNG eq. 9's beta-tilde, SLANG Alg. 1's
             beta), in (0, 1]: a float or a Keras schedule of the update number.
-        hess_init: initial value of the curvature's diagonal. The default 1 makes the first mean
-            steps plain gradient steps; with 0 they are ``alpha g / gamma_in``, N times larger,
-            which diverges for usual step sizes on a large data set.
+        hess_init: initial value of the curvature's diagonal. The default 1 bounds the first mean
+            steps by plain gradient steps; with 0, directions the first batches' curvature does not
+            reach are stepped by ``alpha g / gamma_in``, up to N times larger, which diverges for usual
+            step sizes on a large data set.
         extrinsic_damping: gamma_ex, added to the damping of the mean step only (NNG sec. 3.2).
         fisher: ``"true"`` (targets sampled from the predictive, NNG footnote 1) or
             ``"empirical"`` (the observed targets: the papers' "EF" variants).

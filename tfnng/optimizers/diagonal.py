@@ -161,7 +161,8 @@ class VOGN(PerExampleOptimizer):
         momentum: the natural-momentum coefficient (gamma-bar of eq. 18), in [0, 1).
 
     See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` (beta, hess_init,
-    extrinsic_damping, fisher) and :class:`~tfnng.optimizers.base.NoisyOptimizer`.
+    extrinsic_damping, fisher; rendered on the API page of tfnng.optimizers.base) and
+    :class:`~tfnng.optimizers.base.NoisyOptimizer`.
     """
 
     _sample_statistic_names = ("grad", "hessian")

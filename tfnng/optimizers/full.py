@@ -33,7 +33,8 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
         max_parameters: the largest D accepted.
 
     See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` (beta, hess_init,
-    extrinsic_damping, fisher) and :class:`~tfnng.optimizers.base.NoisyOptimizer`.
+    extrinsic_damping, fisher; rendered on the API page of tfnng.optimizers.base) and
+    :class:`~tfnng.optimizers.base.NoisyOptimizer`.
     """
 
     def __init__(self, learning_rate=1e-3, num_examples=None, beta=1e-3, hess_init=1.0,

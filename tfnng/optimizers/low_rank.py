@@ -37,7 +37,8 @@ class SLANG(FlatPosteriorOptimizer):
         oversampling, power_iterations: of the randomised eigendecomposition.
 
     See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` (beta, hess_init,
-    extrinsic_damping, fisher: the paper uses the empirical Fisher) and
+    extrinsic_damping, fisher: the paper uses the empirical Fisher; rendered on the API page of
+    tfnng.optimizers.base) and
     :class:`~tfnng.optimizers.base.NoisyOptimizer`. ``mc_samples`` must be 1.
     """
 

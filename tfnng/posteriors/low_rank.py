@@ -279,11 +279,13 @@ def _root_terms(low_rank, diagonal):
 
 
 def covariance_root(low_rank, diagonal):
-    """The symmetric square root of ``(U U^T + diag d)^-1`` as a ``tf.linalg.LinearOperator`` (Alg. 3).
+    """A square root ``R`` of ``(U U^T + diag d)^-1`` (``R R^T`` equals it) as a
+    ``tf.linalg.LinearOperator`` (Alg. 3).
 
-    With ``V = d^{-1/2} U`` the covariance is ``d^{-1/2} (I + V V^T)^{-1} d^{-1/2}``, and its square
-    root ``d^{-1/2} (I - V K V^T)`` (the symmetric factorisation of Ambikasaran & O'Neil, SLANG ref.
-    [4]; SLANG App. C.4). Alg. 3 builds the L x L matrix K from Cholesky factors of ``V^T V``, which
+    With ``V = d^{-1/2} U`` the covariance is ``d^{-1/2} (I + V V^T)^{-1} d^{-1/2}``, and
+    ``R = d^{-1/2} (I - V K V^T)``, where ``I - V K V^T`` is the symmetric square root of
+    ``(I + V V^T)^{-1}`` (the symmetric factorisation of Ambikasaran & O'Neil, SLANG ref. [4]; SLANG
+    App. C.4). ``R`` itself is symmetric only when ``d`` is constant. Alg. 3 builds the L x L matrix K from Cholesky factors of ``V^T V``, which
     requires U of full column rank; here K comes from the eigendecomposition
     ``V^T V = W diag(s) W^T`` as ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``, the same
     matrix, well defined for rank-deficient U (e.g. zero columns at initialisation). The factor
