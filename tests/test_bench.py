@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +126,10 @@ def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
 
     _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
                       train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
-    summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=2, batch_size=4, mc_samples=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=2, batch_size=4, mc_samples=3)
+    assert not [w for w in caught if "ran out of data" in str(w.message)]
     assert summary["mc_samples"] == 3 and np.isfinite(summary["test_ll"])
     assert summary["optimizer_config"]["config"]["mc_samples"] == 3
     with pytest.raises(SystemExit, match="--mc-samples 2: adam is a MAP method"):

@@ -296,7 +296,9 @@ def _training_batches(data, batch_size, epochs, seed, mc_samples=1):
                .shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True)
                .batch(batch_size))
     if mc_samples > 1:
-        batches = batches.flat_map(lambda x, y: tf.data.Dataset.from_tensors((x, y)).repeat(mc_samples))
+        # flat_map hides the length, and Keras then warns that the input "ran out of data".
+        batches = batches.flat_map(lambda x, y: tf.data.Dataset.from_tensors((x, y)).repeat(mc_samples)).apply(
+            tf.data.experimental.assert_cardinality(math.ceil(len(data.x_train) / batch_size) * mc_samples))
     return batches.repeat(epochs).prefetch(tf.data.AUTOTUNE)
 
 
