@@ -124,6 +124,35 @@ def test_skip_warnings_repeat_at_powers_of_two_in_a_tape_loop(caplog):
     assert np.isfinite(w.numpy()).all()
 
 
+@pytest.mark.parametrize("clip", [{"clipvalue": 1.0}, {"clipnorm": 1.0}, {"global_clipnorm": 1.0}])
+def test_skip_and_raise_judge_the_gradients_before_keras_clipping(clip):
+    """clipvalue turned an Inf or 1e20 gradient into a finite one before the skip check (the raise
+    check came first): the two policies disagreed about the same step."""
+    for bad in ([np.inf, 0.1], [1e20, 0.1], [np.nan, 0.1]):
+        for policy in ("skip", "raise"):
+            w = tf.Variable([1.0, 2.0], name="w")
+            optimizer = tfnng.optimizers.Vadam(0.1, num_examples=10, seed=0, nonfinite=policy, **clip)
+            optimizer.apply_gradients([(tf.constant([0.5, 0.5]), w)])
+            before = posterior_state(optimizer)
+            if policy == "skip":
+                optimizer.apply_gradients([(tf.constant(bad), w)])
+                assert optimizer.skipped_updates == 1
+            else:
+                with pytest.raises(tf.errors.InvalidArgumentError):
+                    optimizer.apply_gradients([(tf.constant(bad), w)])
+            assert_same_state(before, posterior_state(optimizer),
+                              ignore=SKIP_CHANGES if policy == "skip" else ())
+    # A finite gradient is still clipped: [50, 0] clips to [1, 0] under each of the three options.
+    w, v = tf.Variable([1.0, 2.0], name="w"), tf.Variable([1.0, 2.0], name="v")
+    clipped = tfnng.optimizers.Vadam(0.1, num_examples=10, seed=0, **clip)
+    clipped.apply_gradients([(tf.constant([50.0, 0.0]), w)])
+    reference = tfnng.optimizers.Vadam(0.1, num_examples=10, seed=0)
+    reference.apply_gradients([(tf.constant([1.0, 0.0]), v)])
+    assert clipped.skipped_updates == 0
+    np.testing.assert_array_equal(clipped.posterior_mean(w), reference.posterior_mean(v))
+    np.testing.assert_array_equal(w.numpy(), v.numpy())
+
+
 @pytest.mark.parametrize("name", ["NoisyAdam", "Vadam", "Vprop", "VadaGrad", "IVON"])
 def test_finite_gradient_with_overflowing_square_is_not_applied(name):
     """1e20 is a finite float32 whose square is Inf: squared into the Fisher/Hessian estimate it

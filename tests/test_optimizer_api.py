@@ -288,6 +288,12 @@ def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
 @pytest.mark.parametrize("make, match", [
     (lambda: tfnng.optimizers.VadaGrad(num_examples=10, hess_init=float("nan")), "hess_init"),
     (lambda: tfnng.optimizers.IVON(ess=100.5), "ess"),
+    # weight_decay's mapping divides by them: they used to end in ZeroDivisionError/TypeError
+    (lambda: tfnng.optimizers.IVON(num_examples=10, kl_weight=0, weight_decay=0.1), "kl_weight"),
+    (lambda: tfnng.optimizers.IVON(num_examples=10, kl_weight=-1, weight_decay=0.1), "kl_weight"),
+    (lambda: tfnng.optimizers.IVON(num_examples="100", weight_decay=0.1), "num_examples"),
+    (lambda: tfnng.optimizers.IVON(weight_decay=0.1), "num_examples.*required"),
+    (lambda: tfnng.optimizers.VadaGrad(num_examples=10, tau=None), "tau"),
     (lambda: tfnng.optimizers.IVON(num_examples=10, clip_radius=None), "clip_radius"),
     (lambda: tfnng.optimizers.IVON(num_examples=10, clip_radius=float("nan")), "clip_radius"),
     (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, learning_rate=float("inf")),
@@ -310,6 +316,28 @@ def test_weight_constraints_are_refused_at_build():
     model.compile(optimizer=tfnng.optimizers.IVON(num_examples=8), loss="mse")
     with pytest.raises(ValueError, match="weight constraint"):
         model.fit(np.ones((8, 4)), np.ones((8, 3)), verbose=0)
+    constrained = tf.Variable([1.0], name="c", constraint=lambda x: tf.maximum(x, 0.0))
+    with pytest.raises(ValueError, match="weight constraint.*c:0"):      # a plain tf.Variable too
+        tfnng.optimizers.Vadam(num_examples=8).build([constrained])
+
+
+def test_plain_tf_variables_have_a_posterior_keyed_by_name():
+    """A hand-written loop may train plain tf.Variables, which have no Keras ``path``."""
+    w = tf.Variable([1.0, 2.0], name="w")
+    optimizer = tfnng.optimizers.Vadam(learning_rate=0.01, num_examples=10, seed=0)
+    optimizer.apply_gradients([(tf.constant([0.5, -0.5]), w)])
+    posterior = optimizer.posterior()
+    np.testing.assert_allclose(posterior.model["w:0"].mean(), optimizer.posterior_mean(w))
+    np.testing.assert_allclose(posterior.model["w:0"].stddev(), optimizer.posterior_stddev(w))
+
+
+def test_keras_per_variable_weight_decay_is_refused():
+    """IVON takes ``weight_decay`` (the prior), but Keras's per-variable exclusion used to be
+    accepted and ignored: the excluded variable was decayed all the same."""
+    for optimizer in (tfnng.optimizers.IVON(num_examples=10, weight_decay=0.1),
+                      tfnng.optimizers.NoisyAdam(num_examples=10)):
+        with pytest.raises(ValueError, match="no per-variable weight decay"):
+            optimizer.exclude_from_weight_decay(var_names=["bias"])
 
 
 def test_posterior_access_before_build_or_for_a_foreign_variable_is_a_clear_error():

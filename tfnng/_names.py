@@ -2,6 +2,11 @@
 name), and tfnng keys its records and posterior parts by name."""
 
 
+def variable_path(variable):
+    """A Keras variable's path; a plain ``tf.Variable`` (hand-written loops) has only a name."""
+    return getattr(variable, "path", variable.name)
+
+
 def unique_names(names):
     """``names`` with repeats made unique by a suffix: ``["a", "a", "b"] -> ["a", "a_1", "b"]``."""
     seen, result = set(), []

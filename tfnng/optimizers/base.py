@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from tfnng import _markers, _random
 from tfnng._dtypes import at_least_float32
-from tfnng._names import unique_names
+from tfnng._names import unique_names, variable_path
 from tfnng._xla import compiled_with_xla
 from tfnng.posteriors import diagonal as _diagonal
 
@@ -224,18 +224,26 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         """The NNG sampling variance ``(lambda/N) / (curvature + damping)`` (NNG eq. 9, Alg. 1)."""
         return (self.kl_weight / self.num_examples) / (curvature + damping)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Not supported: the prior N(0, eta I) (IVON's ``weight_decay``) covers every Bayesian weight.
+        :func:`tfnng.mark_point_estimate` takes a variable out of the posterior (no prior, no noise)."""
+        raise ValueError(
+            f"{type(self).__name__} has no per-variable weight decay: the prior N(0, eta I) (the "
+            "weight decay of IVON's naming) applies to every Bayesian weight. Mark a variable with "
+            "tfnng.mark_point_estimate to fit it without prior and noise.")
+
     # ---------------------------------------------------------------------------------------- state
     def build(self, variables):
         if self.built:
             return
-        constrained = [v.path for v in variables if getattr(v, "constraint", None) is not None]
+        constrained = [variable_path(v) for v in variables if getattr(v, "constraint", None) is not None]
         if constrained:
             raise ValueError(
                 f"{type(self).__name__} cannot train variables with a Keras weight constraint "
                 f"({', '.join(constrained)}): Keras would project the weight sample after each "
                 "update while the Gaussian posterior stays unconstrained. Remove the constraint "
                 "(the prior regularises the weights).")
-        half = [getattr(v, "path", v.name) for v in variables
+        half = [variable_path(v) for v in variables
                 if keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16")]
         if half:
             raise ValueError(
@@ -357,10 +365,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Sparse gradients (IndexedSlices, e.g. of an Embedding) are made dense: every weight has
         # a posterior, and every weight is perturbed at every step.
-        grads = self._clip_gradients(_sum_over_replicas([tf.convert_to_tensor(g) for g in grads]))
+        grads = _sum_over_replicas([tf.convert_to_tensor(g) for g in grads])
+        # The gradients are judged before Keras's clipping (clipvalue would make an Inf finite),
+        # the same tensors as nonfinite="raise" checks in ``apply``.
         checked = self._checked_tensors(grads, trainable_variables)
         flags = tf.stack([tf.math.is_finite(self._half_sum_of_squares(t)) for _, t in checked])
         finite = tf.reduce_all(flags)
+        grads = self._clip_gradients(grads)
         self._initialize_means_once()
         if self.mc_samples == 1:
             apply_now = finite
@@ -546,7 +557,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return _diagonal.distribution(
             [tf.convert_to_tensor(self._means[i]) for i in indices],
             [self._stddev(i) for i in indices],
-            unique_names([self._trainable_variables[i].path for i in indices]))
+            unique_names([variable_path(self._trainable_variables[i]) for i in indices]))
 
     def kl_divergence(self):
         """KL(q || p) to the prior N(0, eta I) in closed form (float64 scalar)."""

@@ -15,8 +15,8 @@ import tensorflow as tf
 
 from tfnng import curvature as _curvature
 from tfnng.optimizers._per_example import PerExampleOptimizer, PerExampleStatistics
-from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _is_integer, _non_negative,
-                                   _positive, _probability)
+from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _finite_float, _is_integer,
+                                   _non_negative, _positive, _probability, _validate_num_examples)
 
 _log = logging.getLogger("tfnng")
 
@@ -294,7 +294,7 @@ class VadaGrad(NoisyOptimizer):
                  name="vadagrad", **kwargs):
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
         self.beta = _positive("beta", beta)
-        if not 0.0 <= float(tau) <= 1.0:
+        if _finite_float(tau) is None or not 0.0 <= float(tau) <= 1.0:
             raise ValueError(f"`tau` must be in [0, 1], got {tau!r}.")
         self.tau = float(tau)
         if self.tau * self.beta > 1.0:
@@ -365,9 +365,9 @@ class IVON(NoisyOptimizer):
         if weight_decay is not None:
             if kwargs.get("prior_variance") is not None or kwargs.get("prior_precision") is not None:
                 raise ValueError("Pass either `weight_decay` or a prior variance/precision.")
-            ess_value = num_examples / kwargs.get("kl_weight", 1.0) if num_examples else None
-            if ess_value is not None:
-                kwargs["prior_variance"] = 1.0 / (ess_value * _positive("weight_decay", weight_decay))
+            ess_value = (_validate_num_examples(num_examples)
+                         / _positive("kl_weight", kwargs.get("kl_weight", 1.0)))
+            kwargs["prior_variance"] = 1.0 / (ess_value * _positive("weight_decay", weight_decay))
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
         self.beta_1 = _probability("beta_1", _alias("beta_1", beta_1, "beta1", beta1, 0.9))
         self.beta_2 = _probability("beta_2", _alias("beta_2", beta_2, "beta2", beta2, 0.99999))
