@@ -105,6 +105,39 @@ def test_mixed_model_falls_back_to_diagonal_for_batch_norm_and_says_so_once(capl
     tfnng.predict(model, x, num_samples=3)
 
 
+def test_diagonal_fallback_takes_noisy_adams_first_step_from_hess_init():
+    """Alg. 1 from f = hess_init (NoisyAdam's default 1) with beta_2 = 1 - stat_decay: from f = 0
+    a BatchNormalization scale moved by 100-150 learning rates per step at N = 60000."""
+    keras.utils.set_random_seed(4)
+    x, y = classification_data(n=16, shape=(6, 6, 1))
+    net = conv_net(batch_norm=True)
+    capture = cap.LayerCapture(net)
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=1e-3, num_examples=60000, momentum=0.5,
+                                           kl_clip=1e-3, seed=4)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    gamma = net.layers[2].gamma
+    _, _, grads, curvature = tfnng.models.gradients_and_curvature(
+        net, capture, optimizer, tfnng.losses.CategoricalNLL(), tf.constant(x), tf.constant(y))
+    g = grads[[v is gamma for v in net.trainable_variables].index(True)].numpy().astype(np.float64)
+    w = gamma.numpy().astype(np.float64)                     # the first sample is the initial mean
+    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+    beta_2 = 1.0 - optimizer.stat_decay
+    f = beta_2 * optimizer.hess_init + (1 - beta_2) * g ** 2
+    step = 1e-3 * (g + optimizer.intrinsic_damping * w) / (f + optimizer.step_damping)
+    np.testing.assert_allclose(optimizer.posterior_mean(gamma).numpy(), w - step, rtol=1e-5)
+    assert np.abs(step).max() < 1e-3
+
+
+def test_plain_kfac_has_no_posterior_distribution():
+    x, y = classification_data(n=32)
+    optimizer = tfnng.optimizers.KFAC(learning_rate=0.1)
+    model, _ = fit(dense_net(), optimizer, x, y, epochs=1)
+    assert float(optimizer.kl_divergence()) == 0.0
+    with pytest.raises(ValueError, match="point estimate"):           # used to be KeyError 'a_root'
+        optimizer.posterior()
+
+
 def test_plain_kfac_trains_without_noise_under_xla(caplog):
     """Trains under XLA, with a warning that XLA's CPU eigensolver makes inverse updates slow
     (not given without XLA)."""
@@ -404,9 +437,13 @@ def test_errors_and_serialization():
         tfnng.optimizers.KFAC(damping=0.0)
     with pytest.raises(ValueError, match="factor_prior_count"):
         tfnng.optimizers.KFAC(factor_prior_count=-1)
+    with pytest.raises(ValueError, match="hess_init"):
+        tfnng.optimizers.NoisyKFAC(num_examples=16, hess_init=0.0)
+    with pytest.raises(ValueError, match="kl_clip_decay"):       # zeta > 1 used to grow c_k
+        tfnng.optimizers.NoisyKFAC(num_examples=16, kl_clip=0.01, kl_clip_decay=1.5)
     for optimizer in (tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=7, kl_clip=0.01,
                                                  block_tridiagonal=True, stats_every=3,
-                                                 factor_prior_count=2),
+                                                 factor_prior_count=2, hess_init=0.5),
                       tfnng.optimizers.KFAC(learning_rate=0.2, damping=0.1, l2=0.01)):
         config = optimizer.get_config()
         clone = type(optimizer).from_config(config)

@@ -35,9 +35,9 @@ An optimizer that needs more than the averaged gradient implements:
 For ``Requirements.kronecker`` each ``CapturedLayer`` holds ``inputs`` (the layer's input) and
 ``preactivation_grads``: per-example gradients of the log-likelihood with respect to the layer's
 pre-activations (true Fisher: of ``log p(y~ | x, w)`` with ``y~`` drawn by ``loss.sample`` from the
-model's predictive; empirical Fisher: of minus the compiled loss times the batch size, or times
-one for a loss with ``reduction="sum"``, i.e. of the observed targets' log-likelihood when the loss
-is a negative log-likelihood; the net's own losses, ``add_loss`` terms and activity regularisers,
+model's predictive; empirical Fisher: of minus the compiled loss (a mean over the batch, see
+:func:`check_mean_reduction`) times the batch size, i.e. of the observed targets' log-likelihood when
+the loss is a negative log-likelihood; the net's own losses, ``add_loss`` terms and activity regularisers,
 are left out). With Keras's ``sample_weight`` or ``class_weight``, example n's
 gradients are scaled by ``sqrt(w_n)`` (the curvature of the weighted log-likelihood; the layer
 inputs, and so K-FAC's factor A, are not weighted).
@@ -67,6 +67,7 @@ from tfnng import losses as _losses
 from tfnng._names import unique_names
 from tfnng.curvature import capture as _capture
 from tfnng.curvature import per_example as _per_example
+from tfnng.optimizers.base import NoisyOptimizer
 
 
 def unwrap_optimizer(optimizer):
@@ -139,17 +140,21 @@ def _scale_examples(tensor, scale):
     return tensor * tf.reshape(tf.cast(scale, tensor.dtype), [-1] + [1] * (tensor.shape.rank - 1))
 
 
-def _empirical_factor(loss_fn, batch):
-    """The factor turning gradients of the compiled (reduced) loss into gradients of the summed
-    log-likelihood: minus the batch size for a mean over the batch, minus one for a sum."""
-    reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
-    if reduction in ("sum_over_batch_size", "mean"):
-        return -batch
-    if reduction == "sum":
-        return -tf.ones_like(batch)
-    raise ValueError(
-        f"The empirical Fisher needs a loss reduced by a mean or a sum over the batch; got "
-        f"reduction={reduction!r}.")
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def check_mean_reduction(loss):
+    """Stop with a clear error unless every loss in ``loss`` (one, or a list/dict per output) is a mean
+    over the batch: tfnng optimizers multiply the mean loss by N (a sum would weaken the prior and
+    lengthen the step by the batch size), and the empirical Fisher multiplies its gradients by B.
+    Losses without a ``reduction`` attribute (plain functions, Keras names) are means."""
+    for single in tf.nest.flatten(loss):
+        reduction = getattr(single, "reduction", MEAN_REDUCTIONS[0])
+        if reduction not in MEAN_REDUCTIONS:
+            raise ValueError(
+                f"tfnng optimizers need a loss averaged over the batch (reduction "
+                f"'sum_over_batch_size', Keras's default): they scale the mean loss by num_examples. "
+                f"Got {type(single).__name__} with reduction={reduction!r}.")
 
 
 def _single_likelihood(loss_fn, purpose):
@@ -217,6 +222,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     """
     requirements = _requirements(optimizer)
     _check_same_model(unwrap_optimizer(optimizer), capture)
+    check_mean_reduction(loss_fn)
     variables = list(net.trainable_variables)
     generic = _generic_variables(capture, variables) if requirements.per_example_gradients else []
     weights = _example_weights(sample_weight)
@@ -274,7 +280,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             batch = tf.cast(tf.shape(zeros[0])[0] * _num_replicas(), loss.dtype)
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
             # Unscaled in the loss's dtype (float32 also when the activations are float16).
-            factor = _empirical_factor(loss_fn, batch) / loss_scale
+            factor = -batch / loss_scale
             if likelihood_loss is not None:
                 likelihood_grads = _gradients_when_due(tape, likelihood_loss, zeros, due)
             else:
@@ -405,6 +411,8 @@ class BayesianModel(keras.Model):
     # ------------------------------------------------------------------------------ curvature
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
+        if isinstance(unwrap_optimizer(self.optimizer), NoisyOptimizer):
+            check_mean_reduction(self.loss)
         self._layer_capture = None
         if self.net.built:
             self._prepare_curvature()

@@ -519,8 +519,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     # ---------------------------------------------------------------------------- posterior access
     def _require_built(self):
         if not self.built:
-            raise ValueError(f"{type(self).__name__} has no posterior yet: call "
-                             "`optimizer.build(model.trainable_variables)` or train first.")
+            raise ValueError(f"{type(self).__name__} has no posterior yet: train first, or call "
+                             "`optimizer.build(model.trainable_variables)` (an optimizer that reads "
+                             "layer curvature is built by tfnng.BayesianModel).")
         self._initialize_means_once()
 
     def _bayesian_indices(self):

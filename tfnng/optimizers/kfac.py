@@ -141,7 +141,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             ``"empirical"`` (observed targets).
         block_tridiagonal: NNG-BlkTri for chains of Dense layers (sec. 3.5).
         kl_clip: c_0 of the KL-clipped step size (App. C.2, eq. 26); None disables it.
-        kl_clip_decay: zeta of ``c_k = c_0 zeta^j``.
+        kl_clip_decay: zeta of ``c_k = c_0 zeta^j``, in (0, 1].
         kl_clip_decay_steps: updates between increments of j (default: never).
         inverse_warmup: also refresh the inverses at every statistics update during the first
             ``inverse_every`` updates (default True; False follows Alg. 2 literally).
@@ -149,6 +149,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             (step 1 above; >= 0, default 4). With 0 the speed benchmark's CNN (N = 60000, learning
             rate 1e-3) diverged within 6 steps unless the step was KL-clipped
             (``tests/test_bayesian_model.py``).
+        hess_init: initial f of the diagonal fallback's noisy Adam rule (> 0, default 1, as
+            :class:`~tfnng.optimizers.NoisyAdam`'s): from f = 0 a BatchNormalization scale's first
+            steps were 100-150 times the learning rate (N = 60000), unbounded by ``kl_clip``.
 
     See :class:`~tfnng.optimizers.base.NoisyOptimizer` for ``prior_variance``, ``kl_weight``,
     ``seed`` and ``mc_samples``: with ``mc_samples = S`` the gradient and the sample in ``V``
@@ -163,7 +166,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     def __init__(self, learning_rate=1e-3, num_examples=None, stat_decay=0.01, momentum=0.0,
                  extrinsic_damping=1e-3, stats_every=10, inverse_every=200, fisher="true",
                  block_tridiagonal=False, kl_clip=None, kl_clip_decay=1.0, kl_clip_decay_steps=None,
-                 inverse_warmup=True, factor_prior_count=4, name="noisy_kfac", **kwargs):
+                 inverse_warmup=True, factor_prior_count=4, hess_init=1.0, name="noisy_kfac", **kwargs):
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
         self.stat_decay = _positive("stat_decay", stat_decay)
         if self.stat_decay > 1:
@@ -176,10 +179,14 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         self.block_tridiagonal = bool(block_tridiagonal)
         self.kl_clip = None if kl_clip is None else _positive("kl_clip", kl_clip)
         self.kl_clip_decay = _positive("kl_clip_decay", kl_clip_decay)
+        if self.kl_clip_decay > 1:
+            raise ValueError(f"`kl_clip_decay` (zeta) must be in (0, 1], got {kl_clip_decay!r}: "
+                             "c_k = c_0 zeta^j decays.")
         self.kl_clip_decay_steps = (None if kl_clip_decay_steps is None
                                     else _positive_int("kl_clip_decay_steps", kl_clip_decay_steps))
         self.inverse_warmup = bool(inverse_warmup)
         self.factor_prior_count = _non_negative("factor_prior_count", factor_prior_count)
+        self.hess_init = _positive("hess_init", hess_init)
 
     # ------------------------------------------------------------------------ curvature protocol
     @property
@@ -256,16 +263,20 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         # Lists aligned with the variables (None off the fallback): tf.train.Checkpoint cannot
         # save dicts with integer keys.
         self._diag_momentum, self._diag_fisher = (
-            [self.add_variable_from_reference(v, name) if i in self._fallback else None
-             for i, v in enumerate(variables)] for name in ("diag_momentum", "diag_fisher"))
+            [self.add_variable_from_reference(v, name, initializer) if i in self._fallback else None
+             for i, v in enumerate(variables)]
+            for name, initializer in (("diag_momentum", "zeros"),
+                                      ("diag_fisher", _fill_initializer(self.hess_init))))
         self._stats_count = self.add_variable((), initializer="zeros", dtype="int64",
                                               name="stats_count")
         self._inverse_failures = self.add_variable((), initializer="zeros", dtype="int64",
                                                    name="inverse_failures")
         if self._fallback:
             names = sorted({variables[i].path.rsplit("/", 1)[0] for i in self._fallback})
-            _logger.warning("%s: no Kronecker-factored curvature for %s; their weights get a "
-                            "diagonal (noisy Adam) posterior.", type(self).__name__, ", ".join(names))
+            kind = ("a diagonal (noisy Adam) posterior" if self._noisy
+                    else "a diagonal (Adam-like, no square root) preconditioner")
+            _logger.warning("%s: no Kronecker-factored curvature for %s; their weights get %s.",
+                            type(self).__name__, ", ".join(names), kind)
 
     def _find_chains(self):
         """Block-tridiagonal chains: maximal paths of Dense blocks with rank-2 inputs in which each
@@ -684,6 +695,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         :meth:`layer_posterior` or samples.
         """
         self._require_built()
+        if not self._noisy:
+            raise ValueError(f"{type(self).__name__} is a point estimate: it has no posterior "
+                             "distribution (use posterior_mean, or NoisyKFAC for one).")
         if self._chains:
             raise NotImplementedError("posterior() is not available for block-tridiagonal chains.")
         parts = []
@@ -740,7 +754,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 "block_tridiagonal": self.block_tridiagonal, "kl_clip": self.kl_clip,
                 "kl_clip_decay": self.kl_clip_decay, "kl_clip_decay_steps": self.kl_clip_decay_steps,
                 "inverse_warmup": self.inverse_warmup,
-                "factor_prior_count": self.factor_prior_count}
+                "factor_prior_count": self.factor_prior_count, "hess_init": self.hess_init}
 
 
 @_register
