@@ -187,13 +187,14 @@ def test_set_changes_a_method_argument_and_is_recorded(tmp_path, monkeypatch):
     assert config["momentum"] == 0.5 and config["kl_clip"] is None
     assert config["extrinsic_damping"] == uci.METHODS["noisy_kfac"].hyper_parameters["extrinsic_damping"]
     assert summary["overrides"] == overrides and summary["hyper_parameters"]["momentum"] == 0.5
-    assert uci._table_rows([{**summary, "dataset": "yacht"}])[0][1] == "noisy_kfac (momentum=0.5, kl_clip=None)"
+    row = uci._table_rows([{**summary, "dataset": "yacht"}])[0]
+    assert row[1] == "noisy_kfac (momentum=0.5, kl_clip=None)"
 
     def stop(path, option):
         raise SystemExit(f"would write {path}")
     monkeypatch.setattr(_results, "check_writable", stop)
     argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "noisy_kfac"]
-    with pytest.raises(SystemExit, match=r"results/uci_yacht_noisy_kfac_momentum=0\.9_kl_clip=None_from0_e200"):
+    with pytest.raises(SystemExit, match=r"uci_yacht_noisy_kfac_momentum=0\.9_kl_clip=None_from0_e200"):
         main(argv + ["--set", "momentum=0.9", "--set", "kl_clip=None"])
     assert uci.parse_setting("fisher=empirical") == ("fisher", "empirical")
 

@@ -37,8 +37,8 @@ For ``Requirements.kronecker`` each ``CapturedLayer`` holds ``inputs`` (the laye
 pre-activations (true Fisher: of ``log p(y~ | x, w)`` with ``y~`` drawn by ``loss.sample`` from the
 model's predictive; empirical Fisher: of minus the compiled loss (a mean over the batch, see
 :func:`check_mean_reduction`) times the batch size, i.e. of the observed targets' log-likelihood when
-the loss is a negative log-likelihood; the net's own losses, ``add_loss`` terms and activity regularisers,
-are left out). With Keras's ``sample_weight`` or ``class_weight``, example n's
+the loss is a negative log-likelihood; the net's own losses, ``add_loss`` terms and activity
+regularisers, are left out). With Keras's ``sample_weight`` or ``class_weight``, example n's
 gradients are scaled by ``sqrt(w_n)`` (the curvature of the weighted log-likelihood; the layer
 inputs, and so K-FAC's factor A, are not weighted).
 

@@ -297,8 +297,9 @@ def _training_batches(data, batch_size, epochs, seed, mc_samples=1):
                .batch(batch_size))
     if mc_samples > 1:
         # flat_map hides the length, and Keras then warns that the input "ran out of data".
-        batches = batches.flat_map(lambda x, y: tf.data.Dataset.from_tensors((x, y)).repeat(mc_samples)).apply(
-            tf.data.experimental.assert_cardinality(math.ceil(len(data.x_train) / batch_size) * mc_samples))
+        length = math.ceil(len(data.x_train) / batch_size) * mc_samples
+        batches = (batches.flat_map(lambda x, y: tf.data.Dataset.from_tensors((x, y)).repeat(mc_samples))
+                   .apply(tf.data.experimental.assert_cardinality(length)))
     return batches.repeat(epochs).prefetch(tf.data.AUTOTUNE)
 
 
@@ -440,7 +441,8 @@ def _table_rows(summaries):
     for dataset in dict.fromkeys(s["dataset"] for s in summaries):
         for s in (s for s in summaries if s["dataset"] == dataset):
             settings = ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items())
-            rows.append([dataset, s["method"] + (f" ({settings})" if settings else ""), s["n_splits"], s["epochs"], s["batch_size"],
+            label = s["method"] + (f" ({settings})" if settings else "")
+            rows.append([dataset, label, s["n_splits"], s["epochs"], s["batch_size"],
                          _results.format_mean_se(s["rmse"], s["rmse_se"]),
                          _results.format_mean_se(s["test_ll"], s["test_ll_se"]), f"{s['seconds']:.0f}"])
         for label, (rmse, rmse_se, ll, ll_se) in _references(dataset).items():
