@@ -129,6 +129,15 @@ def test_diagonal_fallback_takes_noisy_adams_first_step_from_hess_init():
     assert np.abs(step).max() < 1e-3
 
 
+def test_epoch_loss_is_nll_plus_kl_with_uneven_batches():
+    """The kl tracker averaged per batch while nll and loss averaged per example: with batches of
+    9 and 1 examples the epoch's loss was not nll + kl."""
+    x, y = classification_data(n=10)
+    optimizer = tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=10, seed=0)
+    _, history = fit(dense_net(), optimizer, x, y, epochs=2, batch_size=9)
+    np.testing.assert_allclose(history["loss"], np.add(history["nll"], history["kl"]), rtol=1e-6)
+
+
 def test_plain_kfac_has_no_posterior_distribution():
     x, y = classification_data(n=32)
     optimizer = tfnng.optimizers.KFAC(learning_rate=0.1)

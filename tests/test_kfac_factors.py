@@ -307,3 +307,39 @@ def _cache_variables(block):
     for kind in ("step", "sample"):
         for key, variable in block.state.get(kind, {}).items():
             yield f"{kind}/{key}", variable
+
+
+@pytest.mark.parametrize("fisher", ["true", "empirical"])
+def test_an_output_mask_weighs_the_examples_as_the_loss_does(fisher):
+    """A masked example has weight 0 in the loss and the others B / valid (Keras's apply_mask). The
+    true Fisher used to count the masked example in full, the empirical one to scale the kept
+    examples' gradients by B / valid instead of its square root."""
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+    x[1] = 0.0                                             # masked by Masking(0.0)
+    y = np.array([0, 1, 1, 0])
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Masking(0.0), keras.layers.Dense(2)])
+    capture = cap.LayerCapture(net)
+    loss, y_pred, _, captured = tfnng.models.gradients_and_curvature(
+        net, capture, _Fisher(fisher), tfnng.losses.CategoricalNLL(), tf.constant(x), tf.constant(y),
+        seed=keras.random.SeedGenerator(1))
+    grads = captured[capture.specs[0].name].preactivation_grads.numpy()
+    probs = tf.nn.softmax(y_pred).numpy()
+    np.testing.assert_array_equal(grads[1], 0.0)
+    kept = [0, 2, 3]
+    unweighted = grads[kept] / np.sqrt(4 / 3) + probs[kept]   # the one-hot (sampled) targets
+    if fisher == "empirical":
+        np.testing.assert_allclose(unweighted, np.eye(2)[y[kept]], atol=1e-6)
+    else:
+        np.testing.assert_allclose(np.sort(unweighted, axis=1), [[0.0, 1.0]] * 3, atol=1e-6)
+    np.testing.assert_allclose(float(loss), -np.mean(np.log(probs[kept, y[kept]])), rtol=1e-6)
+
+
+def test_a_per_position_output_mask_is_refused():
+    net = keras.Sequential([keras.Input((3,), dtype="int32"),
+                            keras.layers.Embedding(5, 4, mask_zero=True), keras.layers.Dense(2)])
+    x, y = tf.constant([[1, 2, 0], [3, 0, 0]]), tf.constant([[0, 1, 0], [1, 0, 0]])
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 3\) \(per position\)"):
+        tfnng.models.gradients_and_curvature(
+            net, cap.LayerCapture(net), _Fisher("empirical"),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y)

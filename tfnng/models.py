@@ -40,7 +40,9 @@ model's predictive; empirical Fisher: of minus the compiled loss (a mean over th
 the loss is a negative log-likelihood; the net's own losses, ``add_loss`` terms and activity
 regularisers, are left out). With Keras's ``sample_weight`` or ``class_weight``, example n's
 gradients are scaled by ``sqrt(w_n)`` (the curvature of the weighted log-likelihood; the layer
-inputs, and so K-FAC's factor A, are not weighted).
+inputs, and so K-FAC's factor A, are not weighted). A Keras mask on the output (one flag per
+example) weighs the examples as the mean-reduced loss does: 0 for a masked example, ``B / valid``
+for a kept one, so that both Fisher types average over the kept examples.
 
 For ``Requirements.per_example_gradients`` the dict also holds, keyed by variable path, a
 :class:`tfnng.curvature.per_example.CapturedVariable` for every Bayesian variable that no captured
@@ -133,6 +135,23 @@ def _example_weights(sample_weight):
         weights = tf.cast(weights, tf.float32)
     weights = tf.reshape(weights, [-1])
     return _losses._checked(weights, weights >= 0, "sample weights must be non-negative.")
+
+
+def _masked_example_weights(weights, y_pred):
+    """The per-example weights the compiled loss gives the examples: ``weights`` (or 1) times the
+    weight Keras gives an output mask in a mean-reduced loss (``keras.losses.loss.apply_mask``:
+    ``B / valid`` for a kept example, 0 for a masked one). None without weights and mask."""
+    mask = getattr(y_pred, "_keras_mask", None)
+    if mask is None:
+        return weights
+    if mask.shape.rank is not None and mask.shape.rank > 1 and any(d != 1 for d in mask.shape[1:]):
+        raise ValueError("Curvature statistics take one weight per example; the model's output "
+                         f"carries a Keras mask of shape {tuple(mask.shape)} (per position). Mask "
+                         "whole examples only, or use sample weights.")
+    mask = tf.cast(tf.reshape(mask, [-1]), tf.float32)
+    mask_weights = mask * tf.math.divide_no_nan(tf.cast(tf.size(mask), tf.float32),
+                                                tf.reduce_sum(mask))
+    return mask_weights if weights is None else tf.cast(weights, tf.float32) * mask_weights
 
 
 def _scale_examples(tensor, scale):
@@ -229,6 +248,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     with tf.GradientTape(persistent=True) as tape:
         with capture.recording(tape):
             y_pred = net(x, training=True)
+        # The loss weighs the examples by the sample weights and by the output's Keras mask.
+        weights = _masked_example_weights(weights, y_pred)
         loss = (compute_loss(y_pred) if compute_loss is not None
                 else loss_fn(y, y_pred, sample_weight=sample_weight))
         # The net's own losses (add_loss, activity and weight regularisers) are in the training
@@ -453,7 +474,7 @@ class BayesianModel(keras.Model):
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         nll = nll * tf.cast(_num_replicas(), nll.dtype)   # undo Keras's per-replica loss scaling
         self._nll_tracker.update_state(nll, sample_weight=batch)
-        self._kl_tracker.update_state(kl)
+        self._kl_tracker.update_state(kl, sample_weight=batch)   # epoch values: loss = nll + kl
         self._loss_tracker.update_state(nll + kl, sample_weight=batch)
 
     # ------------------------------------------------------------------------------ steps

@@ -321,7 +321,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def _checked_tensors(self, grads, trainable_variables):
         """``[(description, tensor)]`` the non-finite guard checks (class docstring): the floating
         gradients and this step's captured curvature statistics."""
-        checked = [(f"the gradient of {getattr(v, 'path', v.name)}", g)    # Keras or tf.Variable
+        checked = [(f"the gradient of {variable_path(v)}", g)
                    for g, v in zip(grads, trainable_variables) if g is not None]
         statistics = {"inputs": "inputs", "preactivation_grads": "pre-activation gradients",
                       "gradients": "per-example gradients"}
