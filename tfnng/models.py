@@ -176,6 +176,9 @@ def check_mean_reduction(loss):
                 f"Got {type(single).__name__} with reduction={reduction!r}.")
 
 
+_TRUE_FISHER = "The true Fisher, which samples targets from the model's predictive,"
+
+
 def _single_likelihood(loss_fn, purpose):
     """``loss_fn`` if it is one tfnng likelihood (``sample`` and ``log_prob``), else a clear error."""
     if isinstance(loss_fn, (list, tuple, dict)):
@@ -268,8 +271,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             likelihood_loss = likelihood_loss * loss_scale
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
-            _single_likelihood(loss_fn, "The true Fisher, which samples targets from the model's "
-                                        "predictive,")
+            _single_likelihood(loss_fn, _TRUE_FISHER)
             # Non-finite outputs (a diverging step) would make the sampler return invalid targets;
             # sample from a finite stand-in: the statistics are non-finite anyway and get skipped.
             finite_pred = tf.where(tf.math.is_finite(y_pred), y_pred, tf.zeros_like(y_pred))
@@ -434,6 +436,11 @@ class BayesianModel(keras.Model):
         super().compile(*args, **kwargs)
         if isinstance(unwrap_optimizer(self.optimizer), NoisyOptimizer):
             check_mean_reduction(self.loss)
+        requirements = _requirements(self.optimizer)
+        if requirements is not None and requirements.fisher == "true" and self.loss is not None:
+            # Here rather than in the first step: Keras builds the optimizer while tracing it, and
+            # an error there left its variables uninitialised (predict then failed obscurely).
+            _single_likelihood(self.loss, _TRUE_FISHER)
         self._layer_capture = None
         if self.net.built:
             self._prepare_curvature()
