@@ -61,8 +61,9 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     """Monte Carlo predictive distribution of ``model`` at inputs ``x``.
 
     Each of the ``num_samples`` weight samples is drawn from the posterior held by ``model.optimizer``
-    (a tfnng optimizer) and used for all of ``x``. A model compiled with a plain Keras optimizer (a
-    point estimate) gives one deterministic sample. Variables the model no longer trains (frozen with
+    (a tfnng optimizer) and used for all of ``x``. A model without a tfnng optimizer (compiled with a
+    plain Keras optimizer, or not compiled, e.g. the ``net`` inside a ``BayesianModel``: a point
+    estimate) gives one deterministic sample. Variables the model no longer trains (frozen with
     ``trainable = False`` after training) keep their values, as in :mod:`tfnng.serving`. The model's
     variables are restored afterwards, so training can continue; the optimizer's weight-noise
     generator is not (each call draws new samples), so training after a call draws other noise than
