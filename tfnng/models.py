@@ -148,10 +148,10 @@ def _masked_example_weights(weights, y_pred):
         raise ValueError("Curvature statistics take one weight per example; the model's output "
                          f"carries a Keras mask of shape {tuple(mask.shape)} (per position). Mask "
                          "whole examples only, or use sample weights.")
-    mask = tf.cast(tf.reshape(mask, [-1]), tf.float32)
-    mask_weights = mask * tf.math.divide_no_nan(tf.cast(tf.size(mask), tf.float32),
-                                                tf.reduce_sum(mask))
-    return mask_weights if weights is None else tf.cast(weights, tf.float32) * mask_weights
+    dtype = tf.float32 if weights is None else weights.dtype
+    mask = tf.cast(tf.reshape(mask, [-1]), dtype)
+    mask_weights = mask * tf.math.divide_no_nan(tf.cast(tf.size(mask), dtype), tf.reduce_sum(mask))
+    return mask_weights if weights is None else weights * mask_weights
 
 
 def _scale_examples(tensor, scale):

@@ -80,6 +80,14 @@ def _non_negative_int(name, value):
     return int(value)
 
 
+def _unit_rate(name, value):
+    """A rate in (0, 1]: an averaging weight or a decay factor."""
+    number = _finite_float(value)
+    if number is None or not 0.0 < number <= 1.0:
+        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}.")
+    return number
+
+
 def _probability(name, value):
     number = _finite_float(value)
     if number is None or not 0.0 <= number < 1.0:

@@ -294,9 +294,9 @@ class VadaGrad(NoisyOptimizer):
                  name="vadagrad", **kwargs):
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
         self.beta = _positive("beta", beta)
-        if _finite_float(tau) is None or not 0.0 <= float(tau) <= 1.0:
+        self.tau = _finite_float(tau)
+        if self.tau is None or not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"`tau` must be in [0, 1], got {tau!r}.")
-        self.tau = float(tau)
         if self.tau * self.beta > 1.0:
             raise ValueError("`tau * beta` must be <= 1 so that s stays non-negative.")
         self.hess_init = _non_negative("hess_init", hess_init)

@@ -70,7 +70,7 @@ from tfnng._names import unique_names
 from tfnng._xla import compiled_with_xla
 from tfnng.curvature import kronecker as _factors
 from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _non_negative, _positive,
-                                   _positive_int, _probability)
+                                   _positive_int, _probability, _unit_rate)
 from tfnng.optimizers.diagonal import noisy_adam_step
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
@@ -168,9 +168,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                  block_tridiagonal=False, kl_clip=None, kl_clip_decay=1.0, kl_clip_decay_steps=None,
                  inverse_warmup=True, factor_prior_count=4, hess_init=1.0, name="noisy_kfac", **kwargs):
         super().__init__(learning_rate=learning_rate, num_examples=num_examples, name=name, **kwargs)
-        self.stat_decay = _positive("stat_decay", stat_decay)
-        if self.stat_decay > 1:
-            raise ValueError(f"`stat_decay` must be in (0, 1], got {stat_decay!r}.")
+        self.stat_decay = _unit_rate("stat_decay", stat_decay)
         self.momentum = _probability("momentum", momentum)
         self.extrinsic_damping = _non_negative("extrinsic_damping", extrinsic_damping)
         self.stats_every = _positive_int("stats_every", stats_every)
@@ -178,10 +176,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         self.fisher = _curvature.Requirements(kronecker=True, fisher=fisher).fisher
         self.block_tridiagonal = bool(block_tridiagonal)
         self.kl_clip = None if kl_clip is None else _positive("kl_clip", kl_clip)
-        self.kl_clip_decay = _positive("kl_clip_decay", kl_clip_decay)
-        if self.kl_clip_decay > 1:
-            raise ValueError(f"`kl_clip_decay` (zeta) must be in (0, 1], got {kl_clip_decay!r}: "
-                             "c_k = c_0 zeta^j decays.")
+        self.kl_clip_decay = _unit_rate("kl_clip_decay", kl_clip_decay)
         self.kl_clip_decay_steps = (None if kl_clip_decay_steps is None
                                     else _positive_int("kl_clip_decay_steps", kl_clip_decay_steps))
         self.inverse_warmup = bool(inverse_warmup)

@@ -287,7 +287,8 @@ def covariance_root(low_rank, diagonal):
     ``(I + V V^T)^{-1}`` (the symmetric factorisation of Ambikasaran & O'Neil, SLANG ref. [4]; SLANG
     App. C.4). ``R`` itself is symmetric only when ``d`` is constant. Alg. 3 builds the L x L
     matrix K from Cholesky factors of ``V^T V``, which requires U of full column rank; here K comes
-    from the eigendecomposition ``V^T V = W diag(s) W^T`` as ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``, the same
+    from the eigendecomposition ``V^T V = W diag(s) W^T`` as
+    ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``, the same
     matrix, well defined for rank-deficient U (e.g. zero columns at initialisation). The factor
     ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
