@@ -506,17 +506,19 @@ def float64_keras():
     keras.config.set_dtype_policy(policy)
 
 
-@pytest.mark.parametrize("penalty", ["activity_regularizer", "add_loss", "kernel_regularizer"])
+@pytest.mark.parametrize("penalty", ["activity_regularizer", "add_loss", "kernel_regularizer",
+                                     "activity_and_kernel_regularizers"])
 def test_empirical_fisher_is_the_likelihoods_without_the_nets_penalties(penalty, float64_keras):
     """Penalties are in the training loss (and its gradient), not in the likelihood whose curvature
     the empirical Fisher estimates: S of the first layer equals the brute-force E[Ds Ds^T] of the
-    per-example log-likelihood gradients, with activity regularisers and add_loss terms in the net."""
+    per-example log-likelihood gradients, with activity regularisers and add_loss terms in the net
+    (with two penalties, S used to include the activity regulariser's gradient)."""
     keras.utils.set_random_seed(0)
     regularizer = keras.regularizers.L2(0.5)
     hidden = keras.layers.Dense(
         4, activation="tanh",
-        activity_regularizer=regularizer if penalty == "activity_regularizer" else None,
-        kernel_regularizer=regularizer if penalty == "kernel_regularizer" else None)
+        activity_regularizer=regularizer if penalty.startswith("activity") else None,
+        kernel_regularizer=regularizer if "kernel" in penalty else None)
     layers = [keras.Input((3,)), hidden] + ([_ActivationPenalty()] if penalty == "add_loss" else [])
     net = keras.Sequential(layers + [keras.layers.Dense(3)])
     rng = np.random.default_rng(0)

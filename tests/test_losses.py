@@ -240,6 +240,24 @@ def test_half_precision_heads_sample_in_float32(dtype):
     assert len(np.unique(draws.numpy())) > n // 2
 
 
+@pytest.mark.parametrize("make", [lambda d: CategoricalNLL(dtype=d), lambda d: BernoulliNLL(dtype=d),
+                                  lambda d: GaussianNLL(1.0, dtype=d)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "mixed_bfloat16"])
+def test_half_precision_loss_dtype_is_refused(make, dtype):
+    """Keras casts the targets to the loss's dtype before ``call``: in float16 class id 2049 became
+    2048 and a target of 70000 gave a NaN loss, silently."""
+    with pytest.raises(ValueError, match="would round"):
+        make(dtype)
+
+
+def test_float64_loss_keeps_large_class_ids():
+    ids, logits = np.array([2049, 257]), np.zeros((2, 3000))
+    logits[0, 2049] = logits[1, 257] = 5.0
+    loss = CategoricalNLL(dtype="float64")(ids, logits).numpy()
+    expected = -np.mean(special.log_softmax(logits, axis=-1)[[0, 1], ids])
+    assert loss == pytest.approx(expected, rel=1e-12)
+
+
 def test_seed_conventions():
     loss = GaussianNLL(1.0)
     mean = np.zeros((8, 1), np.float32)

@@ -76,6 +76,16 @@ class LikelihoodLoss(keras.losses.Loss):
 
     is_classification = False
 
+    def __init__(self, name=None, reduction="sum_over_batch_size", dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        if self.dtype in ("float16", "bfloat16"):
+            # Keras casts y_true and y_pred to this dtype before ``call``: class ids above 2048
+            # (float16) or 256 (bfloat16) and large regression targets would be rounded silently.
+            raise ValueError(
+                f"{type(self).__name__} computes in float32 or float64: dtype {dtype!r} would round "
+                "the targets (class ids, regression values) before the loss sees them. Leave the "
+                "loss's dtype unset (float32, also under a mixed precision policy).")
+
     def _y_pred(self, y_pred):
         return _float_tensor(y_pred, self.dtype)
 
@@ -117,8 +127,8 @@ class GaussianNLL(LikelihoodLoss):
     one weight sample with tau integrated out,
     Student-t(df=2 alpha, loc=mean, scale=sqrt(beta / alpha)). The true Fisher
     (``tfnng.BayesianModel``) samples its targets from this Student-t, whose Fisher information
-    for the mean is (2 alpha + 1) / (2 alpha + 3) * alpha / beta per example: within a factor
-    1 - 1/alpha of the E[tau] = alpha / beta that weights the training loss's residuals.
+    for the mean is (2 alpha + 1) / (2 alpha + 3) * alpha / beta per example: the factor
+    1 - 2 / (2 alpha + 3) times the E[tau] = alpha / beta that weights the training loss's residuals.
 
     With several outputs the per-example value is the sum over outputs (independent noise).
     ``y_true`` has shape ``(batch, d)``; ``(batch,)`` is accepted when ``d == 1``.

@@ -258,10 +258,12 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         # The net's own losses (add_loss, activity and weight regularisers) are in the training
         # loss, not in the likelihood whose curvature the empirical Fisher estimates.
         penalties = list(net.losses) if compute_loss is not None else []
-        likelihood_loss = None
+        likelihood_loss = penalty = None
         if penalties and requirements.fisher == "empirical" and capture.specs:
             likelihood_loss = (compute_likelihood_loss(y_pred) if compute_likelihood_loss is not None
                                else loss_fn(y, y_pred, sample_weight=sample_weight))
+            # Summed on the tape: its gradients tell whether a penalty reaches a pre-activation.
+            penalty = tf.add_n([tf.cast(term, loss.dtype) for term in penalties])
         # Keras optimizers scale the loss under mixed precision; protocol stand-ins need not.
         scale_loss = getattr(optimizer, "scale_loss", None)
         loss_scale = tf.ones((), loss.dtype) if scale_loss is None else scale_loss(
@@ -287,7 +289,6 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         # A penalty that reaches a pre-activation (activity regulariser, add_loss on activations)
         # needs a backward pass of the likelihood alone; weight penalties do not. (Unused, the
         # penalty's gradients are pruned from the traced graph.)
-        penalty = tf.add_n([tf.cast(term, loss.dtype) for term in penalties])
         if all(g is None for g in tape.gradient(penalty, zeros)):
             likelihood_loss = None
     all_grads = tape.gradient(scaled_loss, variables + zeros)
