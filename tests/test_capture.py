@@ -84,3 +84,49 @@ def test_find_links_names_the_layers_each_layer_reads_directly():
     capture.find_links(tf.zeros((1, 3)))
     assert {spec.layer.name: spec.inputs_from for spec in capture.specs} == {
         "d0": (), "d1": ("d0",), "d2": ("d0", "d1"), "d3": ("d2",)}
+
+
+def test_two_models_sharing_a_layer_record_side_by_side_in_two_threads():
+    """Overlapping recordings of two captures (two models sharing a Dense) in two threads: each
+    thread gets its own inputs and pre-activation gradients, and the layer is left untouched
+    (the first capture to finish used to remove the other's wrapper: "Layers ['shared'] were not
+    called", and a stale wrapper stayed on the layer)."""
+    import threading
+
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(3, activation="tanh", name="shared")
+    before = dict(shared.__dict__)
+    first_in, second_in = keras.Input((2,)), keras.Input((2,))
+    nets = [keras.Model(first_in, shared(first_in)),
+            keras.Model(second_in, keras.layers.Dense(1, name="head")(shared(second_in)))]
+    captures = [cap.LayerCapture(net) for net in nets]
+    inputs = [tf.constant([[1.0, 2.0], [0.5, -1.0]]), tf.constant([[-1.0, 0.0], [3.0, 1.0]])]
+    barrier, results = threading.Barrier(2, timeout=60), {}
+
+    def record(i):
+        with tf.GradientTape() as tape:
+            with captures[i].recording(tape):
+                barrier.wait()                   # both recordings are open
+                if i == 1:
+                    barrier.wait()               # the first one has ended
+                y = nets[i](inputs[i])
+                loss = tf.reduce_sum(y ** 2)
+            records = captures[i].captured()
+        if i == 0:
+            barrier.wait()
+        results[i] = (records["shared"].inputs, tape.gradient(loss, records["shared"].zero))
+
+    threads = [threading.Thread(target=record, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    kernel, bias = shared.kernel.numpy(), shared.bias.numpy()
+    head = nets[1].get_layer("head")
+    for i, x in enumerate(inputs):
+        recorded, grad = results[i]
+        np.testing.assert_allclose(recorded.numpy(), x.numpy())
+        h = np.tanh(x.numpy() @ kernel + bias)
+        d_out = 2 * h if i == 0 else 2 * (h @ head.kernel.numpy() + head.bias.numpy()) @ head.kernel.numpy().T
+        np.testing.assert_allclose(grad.numpy(), d_out * (1 - h ** 2), rtol=1e-5, atol=1e-7)
+    assert "call" not in shared.__dict__ and shared.__dict__["activation"] is before["activation"]

@@ -343,3 +343,45 @@ def test_a_per_position_output_mask_is_refused():
         tfnng.models.gradients_and_curvature(
             net, cap.LayerCapture(net), _Fisher("empirical"),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y)
+
+
+class _FoldsTimeIntoTheBatch(keras.Model):
+    """A Dense applied to every time step by folding the time axis into the batch."""
+
+    def __init__(self):
+        super().__init__(name="folding")
+        self.step = keras.layers.Dense(4, activation="tanh")
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x):
+        h = self.step(tf.reshape(x, [-1, 2]))
+        return self.head(tf.reshape(h, [-1, 3 * 4]))
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "true"])
+@pytest.mark.parametrize("static_batch", [True, False])
+def test_a_layer_without_the_batch_on_its_first_axis_is_refused(fisher, static_batch):
+    """Folding time into the batch gave the step layer one "example" per time step and scaled
+    every layer's empirical-Fisher gradients by T (the head's squared gradients 9x too large);
+    both Fisher types now refuse it, at tracing when the batch size is static, else at run time."""
+    net = _FoldsTimeIntoTheBatch()
+    x = np.random.default_rng(0).normal(size=(4, 3, 2)).astype("float32")
+    y = np.array([0, 1, 1, 0])
+    net(x)
+    capture = cap.LayerCapture(net)
+
+    seed = keras.random.SeedGenerator(1)
+
+    def statistics(x, y):
+        records = tfnng.models.gradients_and_curvature(
+            net, capture, _Fisher(fisher), tfnng.losses.CategoricalNLL(), x, y, seed=seed)[3]
+        return records[capture.specs[0].name].preactivation_grads
+
+    if static_batch:
+        with pytest.raises(ValueError, match="batch on the first axis.*Rows: 12, batch: 4"):
+            statistics(tf.constant(x), tf.constant(y))
+    else:
+        traced = tf.function(statistics, input_signature=[
+            tf.TensorSpec((None, 3, 2), tf.float32), tf.TensorSpec((None,), tf.int64)])
+        with pytest.raises(tf.errors.InvalidArgumentError, match="batch on the first axis"):
+            traced(tf.constant(x), tf.constant(y))

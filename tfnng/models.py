@@ -284,6 +284,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
             fisher_ll = tf.reduce_sum(log_probs)
     records = capture.captured() if capture.specs else {}
+    batch_size = tf.shape(tf.nest.flatten(y_pred)[0])[0]
+    _check_batch_axes(records, tf.nest.flatten(y_pred)[0].shape[0], batch_size)
     zeros = [r.zero for r in records.values()]
     if likelihood_loss is not None and zeros:
         # A penalty that reaches a pre-activation (activity regulariser, add_loss on activations)
@@ -301,7 +303,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             pre_grads = _gradients_when_due(tape, fisher_ll, zeros, due)
         else:
             # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
-            batch = tf.cast(tf.shape(zeros[0])[0] * _num_replicas(), loss.dtype)
+            batch = tf.cast(batch_size * _num_replicas(), loss.dtype)
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
             # Unscaled in the loss's dtype (float32 also when the activations are float16).
             factor = -batch / loss_scale
@@ -320,6 +322,25 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         records.update(_generic_records(net, loss_fn, x, targets, generic, due, weights,
                                         taken=list(records)))
     return loss, y_pred, grads, _gather_over_replicas(records)
+
+
+def _check_batch_axes(records, static_batch, batch_size):
+    """Stop unless every captured layer's input has the batch on its first axis (``batch_size``
+    rows; ``static_batch`` when known at tracing): a layer applied to a reshape that folds another
+    axis into the batch, or to a tensor without a batch axis, would mix examples in the curvature
+    statistics."""
+    for name, record in records.items():
+        message = (f"Layer {name!r}: the curvature statistics (K-FAC factors, per-example "
+                   "gradients) need the batch on the first axis of each Dense/Conv2D input, and "
+                   "this layer's input has another number of rows than the model's output. Keep "
+                   "the batch axis first (Dense takes (batch, ..., features) inputs; do not fold "
+                   "other axes into the batch), or use an optimizer that needs no curvature capture.")
+        rows = record.zero.shape[0]
+        if rows is not None and static_batch is not None:
+            if rows != static_batch:
+                raise ValueError(f"{message} (Rows: {rows}, batch: {static_batch}.)")
+        else:
+            tf.debugging.assert_equal(tf.shape(record.zero)[0], batch_size, message=message)
 
 
 def _gradients_when_due(tape, target, zeros, due):

@@ -11,8 +11,8 @@ obtained from the same forward pass, alongside the weight gradients, at no extra
 No Keras code is patched globally. :meth:`LayerCapture.recording` installs, *on the instances of
 the supported layers only* and only for the duration of one forward pass (normally: while the
 training step is being traced), a wrapper of the instance's ``call`` that records its input and a
-wrapper of its ``activation`` that adds the watched zero tensor. Both are removed on exit, also on
-error.
+wrapper of its ``activation`` that adds the watched zero tensor. Both are removed when the last
+recording that uses the layer ends, also on error.
 
 Supported layers (:func:`layer_kind`): ``keras.layers.Dense`` (any rank: leading axes beyond the batch
 are treated as weight-sharing *positions*, like the spatial positions of a convolution) and
@@ -151,6 +151,83 @@ class CapturedLayer:
     preactivation_grads: tf.Tensor = None
 
 
+class _LayerHook:
+    """The per-instance wrappers of one layer's ``call`` and ``activation``, installed once while
+    any recording (of any :class:`LayerCapture`, in any thread) uses the layer, removed when the
+    last one ends. Each call is served by the recording of the calling thread, if it has one
+    (thread-local state: two models sharing a layer, or the replicas of a ``tf.distribute``
+    strategy, record side by side); calls from other threads pass through."""
+
+    _lock = threading.Lock()
+    _installed = {}                    # id(layer) -> [hook, number of recordings using it]
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.thread = threading.local()    # .recording: (name, tape, records, cut_inputs); .pending
+        self.had_call = "call" in layer.__dict__
+        self.had_activation = "activation" in layer.__dict__
+        self.call = layer.call
+        self.activation = getattr(layer, "activation", None)
+        object.__setattr__(layer, "call", self._capturing_call)
+        object.__setattr__(layer, "activation", self._capturing_activation)
+
+    @classmethod
+    def acquire(cls, layer):
+        with cls._lock:
+            entry = cls._installed.setdefault(id(layer), [None, 0])
+            if entry[0] is None:
+                entry[0] = cls(layer)
+            entry[1] += 1
+            return entry[0]
+
+    @classmethod
+    def release(cls, layer):
+        with cls._lock:
+            entry = cls._installed[id(layer)]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del cls._installed[id(layer)]
+                entry[0]._uninstall()
+
+    def _uninstall(self):
+        for name, had, original in (("call", self.had_call, self.call),
+                                    ("activation", self.had_activation, self.activation)):
+            if had:
+                object.__setattr__(self.layer, name, original)
+            else:
+                self.layer.__dict__.pop(name, None)
+
+    def _capturing_call(self, inputs, *args, **kwargs):
+        recording = getattr(self.thread, "recording", None)
+        if recording is None:
+            return self.call(inputs, *args, **kwargs)
+        name, tape, records, cut_inputs = recording
+        if name in records:
+            raise ValueError(
+                f"Layer {name!r} was called more than once in one forward pass; the curvature "
+                "capture of Dense/Conv2D layers (K-FAC factors, per-example gradients) does not "
+                "support shared layers.")
+        self.thread.pending, self.thread.zero = tape, None
+        try:
+            outputs = self.call(tf.stop_gradient(inputs) if cut_inputs else inputs, *args, **kwargs)
+        finally:
+            zero, self.thread.pending = self.thread.zero, None
+        if zero is None:
+            raise RuntimeError(f"Could not capture the pre-activations of layer {name!r}.")
+        records[name] = CapturedLayer(inputs=tf.convert_to_tensor(inputs), zero=zero)
+        return outputs
+
+    def _capturing_activation(self, pre_activation):
+        tape = getattr(self.thread, "pending", None)
+        if tape is not None:               # the first activation of a recorded call
+            self.thread.pending = None
+            zero = tf.zeros_like(pre_activation)
+            tape.watch(zero)
+            self.thread.zero = zero
+            pre_activation = pre_activation + zero
+        return pre_activation if self.activation is None else self.activation(pre_activation)
+
+
 class LayerCapture:
     """Records inputs and pre-activations (via zero tensors) of the supported layers of a model."""
 
@@ -160,9 +237,6 @@ class LayerCapture:
         # Per thread: replicas of a tf.distribute strategy trace their forward passes in their own
         # threads, which take turns at each all-reduce (e.g. a synchronized BatchNormalization).
         self._thread = threading.local()
-        self._lock = threading.Lock()
-        self._recording_threads = 0
-        self._restores = []
 
     @property
     def records(self):
@@ -195,75 +269,19 @@ class LayerCapture:
         records; calls from a thread that is not recording pass through. ``cut_inputs``: each
         supported layer computes from a ``tf.stop_gradient`` of its (recorded) input.
         """
-        previous = getattr(self._thread, "active", None)
-        self._thread.records = {}
-        self._thread.active = (tape, self._thread.records, cut_inputs)
-        with self._lock:
-            if self._recording_threads == 0:
-                self._restores = [self._install(spec) for spec in self.specs]
-            self._recording_threads += 1
+        records = self._thread.records = {}
+        hooks, previous = [], []
         try:
+            for spec in self.specs:
+                hook = _LayerHook.acquire(spec.layer)
+                hooks.append(hook)
+                previous.append(getattr(hook.thread, "recording", None))
+                hook.thread.recording = (spec.name, tape, records, cut_inputs)
             yield self
         finally:
-            with self._lock:
-                self._recording_threads -= 1
-                if self._recording_threads == 0:
-                    for restore in reversed(self._restores):
-                        restore()
-                    self._restores = []
-            self._thread.active = previous
-
-    def _install(self, spec):
-        layer = spec.layer
-        had_instance_call = "call" in layer.__dict__
-        original_call = layer.call
-
-        def capturing_call(inputs, *args, **kwargs):
-            active = getattr(self._thread, "active", None)
-            if active is None:
-                return original_call(inputs, *args, **kwargs)
-            tape, records, cut_inputs = active
-            if spec.name in records:
-                raise ValueError(
-                    f"Layer {spec.name!r} was called more than once in one forward pass; the "
-                    "curvature capture of Dense/Conv2D layers (K-FAC factors, per-example "
-                    "gradients) does not support shared layers.")
-            had_instance_activation = "activation" in layer.__dict__
-            original_activation = getattr(layer, "activation", None)
-            holder = {}
-
-            def capturing_activation(pre_activation):
-                zero = tf.zeros_like(pre_activation)
-                tape.watch(zero)
-                holder["zero"] = zero
-                shifted = pre_activation + zero
-                if original_activation is None:
-                    return shifted
-                return original_activation(shifted)
-
-            object.__setattr__(layer, "activation", capturing_activation)
-            try:
-                outputs = original_call(tf.stop_gradient(inputs) if cut_inputs else inputs,
-                                        *args, **kwargs)
-            finally:
-                if had_instance_activation:
-                    object.__setattr__(layer, "activation", original_activation)
-                else:
-                    layer.__dict__.pop("activation", None)
-            if "zero" not in holder:
-                raise RuntimeError(f"Could not capture the pre-activations of layer {spec.name!r}.")
-            records[spec.name] = CapturedLayer(inputs=tf.convert_to_tensor(inputs),
-                                               zero=holder["zero"])
-            return outputs
-
-        object.__setattr__(layer, "call", capturing_call)
-
-        def restore():
-            if had_instance_call:
-                object.__setattr__(layer, "call", original_call)
-            else:
-                layer.__dict__.pop("call", None)
-        return restore
+            for hook, before in zip(reversed(hooks), reversed(previous)):
+                hook.thread.recording = before
+                _LayerHook.release(hook.layer)
 
     def captured(self):
         """The records of the last forward pass, keyed by layer name, in the order of ``specs``."""
