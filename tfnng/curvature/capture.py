@@ -107,8 +107,9 @@ def find_layers(model):
     """Split the layers of ``model`` into supported ones and fallbacks.
 
     Returns ``(specs, fallback)``: a list of :class:`LayerSpec` (in the order of
-    ``model._flatten_layers``, which for Sequential and functional models is the order of the
-    forward pass) and a list of the other layers owning trainable variables that are not held by a
+    ``model._flatten_layers``: the forward pass for a flat Sequential or functional model, not for
+    nested ones, whose layers it lists last first; :meth:`LayerCapture.find_links` gives the
+    connectivity) and a list of the other layers owning trainable variables that are not held by a
     sub-layer (their variables will get a diagonal posterior). A Dense or Conv2D layer whose kernel
     or bias another layer also holds (tied weights) is a fallback: its inputs and pre-activation
     gradients would miss the other use of the weight. Only a weight held as an attribute of the
