@@ -222,6 +222,23 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     assert_same_state(untrained, loaded)
 
 
+@pytest.mark.parametrize("name", ["noisy_adam", "noisy_kfac_blocktri_mc2", "slang"])
+def test_weights_saved_before_training_restart_a_trained_optimizer(name, tmp_path):
+    """Save before the first step, train, load that save, train again: the second run repeats the
+    first (the trained posterior, Fisher and factors used to survive the load, with the counters
+    and noise generator restarted, and the second run differed in every mean)."""
+    make_optimizer, loss_name = CASES[name]
+    x, y = dataset(loss_name)
+    model = build_model(make_optimizer(len(x)), loss_name, len(x))
+    model.save_weights(tmp_path / "initial.weights.h5")
+    train(model, x, y)
+    first_run = [v.numpy() for v in model.optimizer.variables + model.weights]
+    model.load_weights(tmp_path / "initial.weights.h5")
+    train(model, x, y)
+    for a, b in zip(first_run, model.optimizer.variables + model.weights):
+        np.testing.assert_array_equal(b.numpy(), a, err_msg=b.path)
+
+
 def test_the_compared_state_covers_curvature_inverses_counters_and_rng():
     """What the round trips compare (optimizer.variables) holds every piece of state named in the
     issue, including a Monte Carlo group left half accumulated."""

@@ -356,6 +356,24 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
     assert not path.exists()
 
 
+def test_an_optimizer_built_for_none_of_the_models_variables_is_refused(tmp_path):
+    """Keras's legacy HDF5 loader builds the optimizer for no variables: predict and export gave
+    every weight sample equal to the current weights (epistemic variance 3e-14) without an error."""
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(1e-2, num_examples=8),
+                  loss=tfnng.losses.GaussianNLL())
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
+    model.save(tmp_path / "m.h5")
+    legacy = keras.models.load_model(tmp_path / "m.h5")
+    assert legacy.optimizer.built and not legacy.optimizer._trainable_variables
+    for use in (lambda: tfnng.predict(legacy, x, num_samples=4),
+                lambda: serving.export(legacy, tmp_path / "served")):
+        with pytest.raises(ValueError, match="posterior over none of the variables.*legacy HDF5"):
+            use()
+    assert tfnng.predict(model, x, num_samples=4).epistemic_variance.min() > 1e-8
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda n: tfnng.optimizers.SLANG(learning_rate=1e-2, num_examples=n, rank=3, seed=2),
     lambda n: tfnng.optimizers.NoisyNaturalGradient(learning_rate=1e-2, num_examples=n, seed=2)])

@@ -86,7 +86,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
     bayesian = isinstance(optimizer, NoisyOptimizer)
     if bayesian:
-        optimizer._require_built()          # never trained: an error, not one deterministic draw
+        optimizer._require_posterior_of(model)      # else an error, not one deterministic draw
     num_samples = num_samples if bayesian else 1
     x = _inputs(x)
     batch_size = x.shape[0] if batch_size is None else _positive_int("batch_size", batch_size)

@@ -195,7 +195,7 @@ def _exportable_optimizer(model):
             f"{', '.join(overridden)} of {family.__name__}, and the SavedModel can only reproduce "
             "the samplers of the diagonal family (NoisyAdam, Vadam, Vprop, VadaGrad, IVON, VOGN), "
             "the noisy K-FAC family (NoisyKFAC, KFAC), SLANG and NoisyNaturalGradient.")
-    optimizer._require_built()      # also copies the model's weights into never-updated means
+    optimizer._require_posterior_of(model)   # also copies the weights into never-updated means
     return optimizer
 
 
@@ -360,8 +360,9 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
 
     Raises:
         ValueError: bad ``num_samples`` or ``outputs``, no likelihood, or an optimizer whose
-            posterior cannot be sampled in the graph (not a tfnng optimizer, not trained, or a
-            subclass that overrides its family's sampling methods).
+            posterior cannot be sampled in the graph (not a tfnng optimizer, not built, built for
+            none of the model's variables, or a subclass that overrides its family's sampling
+            methods).
     """
     likelihood = _likelihood_of(model, likelihood, caller="tfnng.serving.export")
     num_samples = _positive_int("num_samples", num_samples)      # as tfnng.predict

@@ -300,6 +300,16 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self._skipped = self.add_variable((), initializer="zeros", dtype="int64",
                                               name="skipped_updates")
 
+    def add_variable(self, shape, initializer="zeros", dtype=None, aggregation="none", layout=None,
+                     name=None):
+        """Keras's ``add_variable``, keeping the initializer: :meth:`load_own_variables` restarts
+        a built optimizer from it when given a state saved before the first step."""
+        variable = super().add_variable(shape, initializer=initializer, dtype=dtype,
+                                        aggregation=aggregation, layout=layout, name=name)
+        self.__dict__.setdefault("_initializers", {})[id(variable)] = (
+            keras.initializers.get(initializer))
+        return variable
+
     def _slot(self, name, index):
         return self._slot_variables[name][index]
 
@@ -532,6 +542,20 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                              "layer curvature is built by tfnng.BayesianModel).")
         self._initialize_means_once()
 
+    def _require_posterior_of(self, model):
+        """:meth:`_require_built`, and a posterior over some of ``model``'s variables (a model
+        loaded from a legacy HDF5 file got an optimizer built for none of them: its samples
+        would all be the current weights)."""
+        self._require_built()
+        own = {id(v) for v in self._trainable_variables}
+        if model.trainable_variables and not any(id(v) in own for v in model.variables):
+            raise ValueError(
+                f"{type(self).__name__} holds a posterior over none of the variables of model "
+                f"{model.name!r} ({len(self._trainable_variables)} variables of its own): it was "
+                "built for another model, or for none (Keras's legacy HDF5 format restores no "
+                "optimizer state; save with model.save('m.keras')). Train or restore it with "
+                "this model.")
+
     def _bayesian_indices(self):
         self._require_built()
         return [i for i, point in enumerate(self._point) if not point]
@@ -614,9 +638,12 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "`build` lose the mark on loading (mark them in `build`, as "
                 "`tfnng.layers.NoisePrecision` does).")
         if saved == self._unbuilt_variable_count < len(self.variables):
-            # Saved before its first step; built since: the variables made by __init__ come first.
-            for i in range(saved):
-                self.variables[i].assign(store[str(i)])
+            # Saved before its first step; built since (by Keras's loading, or by training): the
+            # variables made by __init__ come first, the others restart from their initializers
+            # (the means are copied from the restored weights at the next step).
+            for i, variable in enumerate(self.variables):
+                variable.assign(store[str(i)] if i < saved else
+                                self._initializers[id(variable)](variable.shape, variable.dtype))
             return
         super().load_own_variables(store)
 
