@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from scipy import stats
 
 import tfnng
 from tfnng.curvature.capture import LayerCapture
@@ -607,8 +608,9 @@ def test_a_step_traced_for_an_unknown_batch_size_is_the_step_for_the_known_one(m
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="num_examples"):
         tfnng.optimizers.VOGN(1e-3)
-    with pytest.raises(ValueError, match="beta"):
-        tfnng.optimizers.SLANG(1e-3, num_examples=10, beta=1.5)
+    for bad in (1.5, 0.0, float("nan"), "x", None):     # "x" and None gave float()'s own errors
+        with pytest.raises(ValueError, match="`beta` must be in"):
+            tfnng.optimizers.SLANG(1e-3, num_examples=10, beta=bad)
     with pytest.raises(ValueError, match="mc_samples"):
         tfnng.optimizers.SLANG(1e-3, num_examples=10, mc_samples=2)
     with pytest.raises(ValueError, match="eig_method"):
@@ -688,6 +690,14 @@ def test_nng_full_float32_model_keeps_a_positive_definite_precision_for_large_n(
     np.testing.assert_allclose(chol @ chol.T, optimizer._fisher.numpy()
                                + optimizer.intrinsic_damping * np.eye(4), rtol=1e-5, atol=1e-7)
     assert np.isfinite(optimizer.posterior_mean(net.layers[0].kernel).numpy()).all()
+    # posterior() from the precision's factor: re-factorising the float32 covariance gave NaN.
+    covariance = np.linalg.inv(optimizer._fisher.numpy() + optimizer.intrinsic_damping * np.eye(4))
+    covariance /= 60000
+    posterior = optimizer.posterior()
+    mean = posterior.mean().numpy().astype(np.float64)
+    assert float(posterior.log_prob(mean)) == pytest.approx(
+        stats.multivariate_normal(mean, covariance).logpdf(mean), rel=1e-5)
+    np.testing.assert_allclose(posterior.stddev().numpy(), np.sqrt(np.diag(covariance)), rtol=1e-4)
 
 
 def test_slang_float32_diagonal_stays_positive_on_raw_scale_inputs():

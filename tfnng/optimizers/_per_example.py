@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfnng import curvature as _curvature
 from tfnng.curvature import per_example as _per_example
-from tfnng.optimizers.base import CurvatureConsumer, NoisyOptimizer, _non_negative
+from tfnng.optimizers.base import CurvatureConsumer, NoisyOptimizer, _finite_float, _non_negative
 
 _log = logging.getLogger("tfnng")
 
@@ -140,10 +140,11 @@ def resolve_rate(name, value):
         value = keras.optimizers.schedules.deserialize(value)
     if isinstance(value, keras.optimizers.schedules.LearningRateSchedule):
         return value
-    if not 0.0 < float(value) <= 1.0:
+    number = _finite_float(value)
+    if number is None or not 0.0 < number <= 1.0:
         raise ValueError(f"`{name}` must be in (0, 1] or a keras.optimizers.schedules schedule, "
                          f"got {value!r}.")
-    return float(value)
+    return number
 
 
 def rate_at(rate, step, dtype):

@@ -97,8 +97,12 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
         return _full.kl_to_isotropic_prior(mean, self._scaled_cholesky(), self.prior_variance)
 
     def _distribution(self, mean):
-        covariance = _full.covariance(self._scaled_cholesky())
-        return tfp.distributions.MultivariateNormalTriL(mean, tf.linalg.cholesky(covariance))
+        # Scale C^-T from the precision's factor C: the covariance's own Cholesky factorisation
+        # fails in float32 when gamma_in is tiny next to F_bar (the case of the class docstring).
+        precision_root = tf.linalg.LinearOperatorLowerTriangular(
+            self._scaled_cholesky(), is_non_singular=True)
+        return tfp.distributions.MultivariateNormalLinearOperator(
+            mean, tf.linalg.LinearOperatorInversion(precision_root.adjoint()))
 
     def covariance(self):
         """The dense posterior covariance ``(lambda/N) (F_bar + gamma_in I)^-1`` (D x D)."""

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from tfnng.posteriors import _linalg
 
-# D x D float64 Fisher average plus a float32 Cholesky factor: 12 D^2 bytes, 1.2 GB at D = 10^4.
+# D x D float64 Fisher average plus a float32 Cholesky factor: 12 D^2 bytes, 1.2 GB at D = 10^4
+# (16 D^2 for a float64 model, another 8 D^2 with mc_samples > 1, and float64 D x D temporaries).
 DEFAULT_MAX_PARAMETERS = 10_000
 
 
@@ -24,8 +25,9 @@ def check_parameter_count(num_parameters, max_parameters=DEFAULT_MAX_PARAMETERS)
         gigabytes = 12 * num_parameters ** 2 / 1e9
         raise ValueError(
             f"The full-covariance posterior stores a dense {num_parameters} x {num_parameters} "
-            f"precision matrix (float64) and its Cholesky factor (about {gigabytes:.1f} GB for a "
-            f"float32 model, O(D^3) per factorisation), but the limit is "
+            f"precision matrix (float64) and its Cholesky factor (at least {gigabytes:.1f} GB for "
+            f"a float32 model, more in float64 or with mc_samples > 1, and O(D^3) time per "
+            f"factorisation), but the limit is "
             f"max_parameters={max_parameters}. Use a "
             "structured family (SLANG, noisy K-FAC, a diagonal optimizer) or raise max_parameters.")
     return int(num_parameters)
