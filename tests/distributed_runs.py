@@ -201,6 +201,34 @@ def raise_on_a_nan_in_one_replica(strategy):
     return raised, snapshot(net, optimizer)[2]
 
 
+def mixed_precision_runs(strategy):
+    """Curvature optimizers under the strategy with each half-precision policy: the finite losses
+    of one epoch ("mixed_bfloat16"), or the error ``compile`` raises ("mixed_float16")."""
+    x, y = make_data(2 * GLOBAL_BATCH)
+    out = {}
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            for name, make in (("noisy_kfac", lambda: _opt.NoisyKFAC(1e-2, len(x), seed=SEED)),
+                               ("vogn", lambda: _opt.VOGN(1e-2, len(x), seed=SEED))):
+                with strategy.scope():
+                    keras.utils.set_random_seed(0)
+                    net = keras.Sequential([keras.Input((3,)),
+                                            keras.layers.Dense(5, activation="tanh"),
+                                            keras.layers.Dense(1, dtype="float32")])
+                    model = tfnng.BayesianModel(net)
+                    try:
+                        model.compile(optimizer=make(), loss=tfnng.losses.GaussianNLL(NOISE_VARIANCE))
+                    except ValueError as error:
+                        out[f"{policy}|{name}"] = np.asarray(str(error))
+                        continue
+                history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+                out[f"{policy}|{name}"] = np.asarray(history.history["loss"])
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output .npz")
@@ -231,6 +259,8 @@ def main(argv=None):
     for fisher in tfnng.curvature.FISHER_TYPES:
         out[f"targets|{fisher}"] = replica_fisher_targets(mirrored, fisher)
     out["raise|raised"], out["raise|replicas_identical"] = raise_on_a_nan_in_one_replica(mirrored)
+    for key, value in mixed_precision_runs(mirrored).items():
+        out[f"mixed|{key}"] = value
     np.savez(args.out, **out)
 
 

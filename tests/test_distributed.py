@@ -125,6 +125,16 @@ def test_nonfinite_raise_on_one_replicas_nan_leaves_identical_replicas(runs):
     assert runs["raise|raised"] and runs["raise|replicas_identical"]
 
 
+@pytest.mark.parametrize("name", ["noisy_kfac", "vogn"])
+def test_curvature_optimizers_under_mixed_precision(runs, name):
+    """"mixed_bfloat16" trains (the all-gather refused bfloat16 curvature tensors); "mixed_float16",
+    whose LossScaleOptimizer applies the update in threads that never see the curvature, is refused
+    at compile (it failed in the first step with "received no curvature statistics")."""
+    losses = runs[f"mixed|mixed_bfloat16|{name}"]
+    assert losses.dtype.kind == "f" and np.isfinite(losses).all()
+    assert "mixed_bfloat16" in str(runs[f"mixed|mixed_float16|{name}"])
+
+
 def test_tutorial_smoke(tmp_path):
     """tutorials/distributed.py --smoke in a fresh process (it configures logical devices)."""
     code = ("import json, runpy; "

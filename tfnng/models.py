@@ -66,6 +66,7 @@ from keras.src.trainers import data_adapters
 
 from tfnng import _markers
 from tfnng import losses as _losses
+from tfnng._dtypes import at_least_float32
 from tfnng._names import unique_names
 from tfnng.curvature import capture as _capture
 from tfnng.curvature import per_example as _per_example
@@ -203,7 +204,9 @@ def _gather_over_replicas(records):
         return records
     parts = [(name, field) for name, record in records.items()
              for field in _PER_EXAMPLE_FIELDS if getattr(record, field, None) is not None]
-    local = [getattr(records[name], field) for name, field in parts]
+    # Half precision in float32: TensorFlow's collective gather refuses bfloat16 (the statistics
+    # are computed in float32 anyway).
+    local = [at_least_float32(getattr(records[name], field)) for name, field in parts]
     gathered = context.all_gather(local, axis=0)
     for (name, field), value, mine in zip(parts, gathered, local):
         # all_gather forgets the static shape; every replica traces the same per-replica shape.
@@ -459,6 +462,15 @@ class BayesianModel(keras.Model):
         if isinstance(unwrap_optimizer(self.optimizer), NoisyOptimizer):
             check_mean_reduction(self.loss)
         requirements = _requirements(self.optimizer)
+        distributed = (getattr(self, "_distribute_strategy", None) is not None
+                       or tf.distribute.has_strategy())
+        if (requirements is not None and distributed
+                and isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)):
+            raise ValueError(
+                f"{type(unwrap_optimizer(self.optimizer)).__name__} reads layer curvature, which "
+                "cannot pass through Keras's LossScaleOptimizer ('mixed_float16' policy) under a "
+                "tf.distribute strategy: the wrapper applies the update in other threads. Use the "
+                "'mixed_bfloat16' policy (no loss scaling), or train on one device.")
         if requirements is not None and requirements.fisher == "true" and self.loss is not None:
             # Here rather than in the first step: Keras builds the optimizer while tracing it, and
             # an error there left its variables uninitialised (predict then failed obscurely).
