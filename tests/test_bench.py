@@ -131,6 +131,7 @@ def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
         summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=2, batch_size=4, mc_samples=3)
     assert not [w for w in caught if "ran out of data" in str(w.message)]
     assert summary["mc_samples"] == 3 and np.isfinite(summary["test_ll"])
+    assert uci._table_rows([{**summary, "dataset": "yacht"}])[0][1] == "noisy_adam (mc_samples=3)"
     assert summary["optimizer_config"]["config"]["mc_samples"] == 3
     with pytest.raises(SystemExit, match="--mc-samples 2: adam is a MAP method"):
         uci.run_benchmark(tmp_path, "toy", "adam", epochs=1, mc_samples=2)
@@ -175,6 +176,9 @@ def test_default_uci_out_names_the_splits_and_epochs(tmp_path, monkeypatch):
         main(argv)
     with pytest.raises(SystemExit, match=r"results/uci_yacht_ivon_from10x10_e1000\.json"):
         main(argv + ["--first-split", "10", "--splits", "10", "--epochs", "1000"])
+    # Runs that differ in Monte Carlo samples, batch size or predictive samples also overwrote.
+    with pytest.raises(SystemExit, match=r"results/uci_yacht_ivon_mc3_b50_ps1000_from0_e200\.json"):
+        main(argv + ["--mc-samples", "3", "--batch-size", "50", "--predictive-samples", "1000"])
 
 
 def test_set_changes_a_method_argument_and_is_recorded(tmp_path, monkeypatch):

@@ -62,6 +62,14 @@ def test_demo_refuses_a_non_positive_epoch_count(epochs, capsys):
     assert stop.value.code == 2 and "argument --epochs" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_repeated_method(capsys):
+    """--methods adam,adam trained adam twice and printed one row."""
+    from tfnng import demo
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--methods", "adam,ivon,adam"])
+    assert stop.value.code == 2 and "adam given more than once" in capsys.readouterr().err
+
+
 def test_demo_runs_and_reports_every_method(capsys):
     from tfnng import demo
     results = demo.main(["--epochs", "2", "--methods", "adam,ivon"])

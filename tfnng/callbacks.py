@@ -168,8 +168,8 @@ def optimizer_scalars(optimizer):
     """The step-size and damping quantities a tfnng optimizer exposes, as floats keyed by name.
 
     ``learning_rate`` (the schedule's value at the current update), ``skipped_updates``; the
-    intrinsic damping ``lambda / (N eta)`` of the diagonal families, or the sampling and mean-step
-    dampings of the K-FAC family with its ``kl_clip_threshold`` ``c_k`` (NNG App. C.2, eq. 26) and
+    intrinsic damping ``lambda / (N eta)`` of the diagonal and per-example families, or the
+    sampling and mean-step dampings of the K-FAC family with its ``kl_clip_threshold`` ``c_k`` (NNG App. C.2, eq. 26) and
     ``inverse_failures``, where they exist.
     """
     values = {"learning_rate": optimizer.learning_rate,

@@ -36,6 +36,9 @@ def main(argv=None):
     unknown = sorted(set(methods) - set(uci.METHODS))
     if unknown:
         parser.error(f"unknown method(s) {', '.join(unknown)}")
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if repeated:
+        parser.error(f"method(s) {', '.join(repeated)} given more than once")
     data = diabetes_split()
     results = {}
     for method in methods:

@@ -109,7 +109,7 @@ def main(argv=None):
     request_path = out / "request.json"
     request_path.write_text(json.dumps(request, indent=1))
     docker = ("docker run -p 8501:8501 "
-              f"--mount type=bind,source={out / MODEL_NAME},target=/models/{MODEL_NAME} "
+              f"--mount {shlex.quote(f'type=bind,source={out / MODEL_NAME},target=/models/{MODEL_NAME}')} "
               f"-e MODEL_NAME={MODEL_NAME} -t tensorflow/serving")
     url = f"http://localhost:8501/v1/models/{MODEL_NAME}:predict"
     curl = (f"curl -X POST -H 'Content-Type: application/json' "

@@ -7,7 +7,8 @@ Conv2D 32 3x3 ReLU, Flatten, Dense 64 ReLU, Dense 10 logits) trained with ``Cate
 ``tfnng.BayesianModel`` + ``NoisyKFAC``, T_stats = 10, T_inv = 200, beta~ = 0.01 and the KL-clipped
 step size as NNG App. C.2),
 ``kfac`` (point estimate, the same machinery without noise, L2 equal to noisy K-FAC's intrinsic
-damping as in NNG sec. 5.2), ``noisy_adam`` (NoisyAdam on the plain model: the squared batch
+damping as in NNG sec. 5.2), ``noisy_adam`` (NoisyAdam with ``fisher=None``, in a
+``tfnng.BayesianModel`` like the others, so its reported loss includes the KL term: the squared batch
 gradient stands in for Alg. 1's per-example Fisher, so not NNG-FFG as published) and ``adam`` (MAP,
 L2 from the same prior).
 The Bayesian methods predict with ``--num-samples`` weight samples (``tfnng.predict``). Reported per

@@ -440,7 +440,8 @@ def _table_rows(summaries):
     rows = []
     for dataset in dict.fromkeys(s["dataset"] for s in summaries):
         for s in (s for s in summaries if s["dataset"] == dataset):
-            settings = ", ".join(f"{k}={v!r}" for k, v in s["overrides"].items())
+            settings = ", ".join([f"{k}={v!r}" for k, v in s["overrides"].items()]
+                                 + ([f"mc_samples={s['mc_samples']}"] if s["mc_samples"] > 1 else []))
             label = s["method"] + (f" ({settings})" if settings else "")
             rows.append([dataset, label, s["n_splits"], s["epochs"], s["batch_size"],
                          _results.format_mean_se(s["rmse"], s["rmse_se"]),
@@ -513,7 +514,10 @@ def run(args):
     # The default name says which splits and epochs it holds: "splits 0-9, then --first-split 10"
     # writes two files.
     split_range = f"from{args.first_split}" + ("" if splits is None else f"x{splits}")
-    settings_tag = "".join(f"_{name}={value}" for name, value in overrides.items())
+    settings_tag = "".join(f"_{name}={value}" for name, value in overrides.items()) + "".join(
+        f"_{tag}{value}" for tag, value, default in (
+            ("mc", args.mc_samples, 1), ("b", args.batch_size, None),
+            ("ps", args.predictive_samples, NUM_PREDICTIVE_SAMPLES)) if value != default)
     out = args.out or (f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}"
                        f"{settings_tag}_{split_range}_e{epochs}.json")
     _results.check_writable(out, "--out")
