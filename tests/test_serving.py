@@ -345,8 +345,8 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
     class OwnSampler(tfnng.optimizers.NoisyAdam):
         """A posterior whose sampler serving does not know."""
 
-        def sample_weights(self):
-            super().sample_weights()
+        def _write_sample(self):
+            super()._write_sample()
 
     custom = net()
     custom.compile(optimizer=OwnSampler(num_examples=10), loss=tfnng.losses.GaussianNLL())
@@ -437,6 +437,28 @@ def test_a_layer_frozen_after_training_is_served_at_its_value(family, tmp_path):
                            prediction.samples, prediction.mean)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["vogn"])
+def test_sample_weights_and_use_mean_leave_a_layer_frozen_after_training_alone(family):
+    """They used to write a draw, and the mean, into the frozen layer too."""
+    make = FAMILIES.get(family) or (lambda n: tfnng.optimizers.VOGN(learning_rate=1e-2,
+                                                                     num_examples=n, seed=2))
+    model, net, x = _trained_bayesian_model(make(40))
+    optimizer = model.optimizer
+    net.layers[1].trainable = False
+    frozen = [v.numpy() for v in net.layers[1].weights]
+    others = [v.numpy() for v in net.layers[0].weights + net.layers[2].weights]
+    optimizer.sample_weights()
+    for variable, value in zip(net.layers[1].weights, frozen):
+        np.testing.assert_array_equal(variable.numpy(), value)
+    assert all(not np.array_equal(v.numpy(), value)
+               for v, value in zip(net.layers[0].weights + net.layers[2].weights, others))
+    with optimizer.use_mean():
+        for variable, value in zip(net.layers[1].weights, frozen):
+            np.testing.assert_array_equal(variable.numpy(), value)
+        np.testing.assert_array_equal(net.layers[0].kernel.numpy(),
+                                      optimizer.posterior_mean(net.layers[0].kernel).numpy())
+
+
 @pytest.mark.parametrize("family", ["kfac", "slang"])
 def test_subclasses_with_their_own_sampler_are_refused_in_every_family(family, tmp_path):
     """Only diagonal-family subclasses used to be checked: a NoisyKFAC or SLANG subclass with its
@@ -444,12 +466,12 @@ def test_subclasses_with_their_own_sampler_are_refused_in_every_family(family, t
     base = type(FAMILIES[family](40))
 
     class OwnSampler(base):
-        def sample_weights(self):
-            super().sample_weights()
+        def _write_sample(self):
+            super()._write_sample()
 
     model, _, _ = _trained_bayesian_model(
         OwnSampler(learning_rate=1e-2, num_examples=40, seed=2))
-    with pytest.raises(ValueError, match="OwnSampler: it overrides sample_weights of "):
+    with pytest.raises(ValueError, match="OwnSampler: it overrides _write_sample of "):
         serving.export(model, tmp_path / "never")
     assert not (tmp_path / "never").exists()
 

@@ -151,9 +151,11 @@ def _traced_forward(model):
 
 
 def _traced_draw(optimizer):
-    """``optimizer.sample_weights`` (its seed is a variable: each call draws anew). Python-only
-    control flow: no autograph (which would re-read the optimizer's source)."""
-    return _traced(_POSTERIOR_DRAWS, optimizer, lambda posterior: posterior.sample_weights(),
+    """A posterior sample written into every variable ``optimizer`` trains, frozen or not (the trace
+    is kept, a frozen set read while tracing would go stale: :func:`predict` restores the frozen
+    ones itself). Its seed is a variable: each call draws anew. Python-only control flow: no
+    autograph (which would re-read the optimizer's source)."""
+    return _traced(_POSTERIOR_DRAWS, optimizer, lambda posterior: posterior._write_sample(),
                    autograph=False)
 
 

@@ -172,9 +172,9 @@ def _flat_sampler(optimizer, positions):
 
 # The families whose sampler the SavedModel reproduces, with the methods that sample: a subclass that
 # overrides one of them samples differently, and its posterior cannot be exported.
-_FAMILY_SAMPLERS = ((NoisyKFAC, ("sample_weights", "_draw", "_draw_blocks", "_sample_blocks")),
-                    (FlatPosteriorOptimizer, ("sample_weights", "_write_sample")),
-                    (NoisyOptimizer, ("sample_weights", "_draw")))
+_FAMILY_SAMPLERS = ((NoisyKFAC, ("_write_sample", "_draw", "_draw_blocks", "_sample_blocks")),
+                    (FlatPosteriorOptimizer, ("_write_sample",)),
+                    (NoisyOptimizer, ("_write_sample", "_draw")))
 
 
 def _exportable_optimizer(model):

@@ -134,11 +134,6 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
             self._trainable_variables[i].assign(value)
 
     # ---------------------------------------------------------------------------- posterior access
-    def sample_weights(self):
-        """Write a fresh posterior sample into the model's variables."""
-        self._require_built()
-        self._write_sample()
-
     def _variance(self, index):
         return self._unflatten(self._covariance_scale * self._marginal_variances())[index]
 

@@ -600,14 +600,24 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self.prior_variance)
 
     def sample_weights(self):
-        """Write a fresh posterior sample into the model's variables."""
+        """Write a fresh posterior sample into the model's variables. Those of layers frozen since
+        training (``trainable = False``) keep their values, as in :func:`tfnng.predict`."""
+        self._require_built()
+        frozen = [(v, tf.identity(v)) for v in self._trainable_variables if not v.trainable]
+        self._write_sample()
+        for variable, value in frozen:
+            variable.assign(value)
+
+    def _write_sample(self):
+        """Write a posterior sample into every variable the optimizer trains."""
         for i in self._bayesian_indices():
             self._trainable_variables[i].assign(self._draw(i))
 
     @contextlib.contextmanager
     def use_mean(self):
-        """Context in which the model's variables hold the posterior mean (restored on exit)."""
-        indices = self._bayesian_indices()
+        """Context in which the model's variables hold the posterior mean (restored on exit); those
+        of layers frozen since training keep their values."""
+        indices = [i for i in self._bayesian_indices() if self._trainable_variables[i].trainable]
         saved = [tf.identity(self._trainable_variables[i]) for i in indices]
         for i in indices:
             self._trainable_variables[i].assign(self._means[i])

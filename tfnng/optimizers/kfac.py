@@ -730,9 +730,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
                 self.prior_variance)
         return total
 
-    def sample_weights(self):
-        """Write a fresh posterior sample into the model's variables."""
-        self._require_built()
+    def _write_sample(self):
         self._draw_blocks(self._blocks)
         for i in self._fallback:
             self._trainable_variables[i].assign(self._draw(i))
