@@ -180,7 +180,7 @@ def test_tensorboard_and_validation_reject_bad_setups(tmp_path):
                    {"bucket_count": 0}):
         with pytest.raises(ValueError):
             callbacks.PosteriorTensorBoard(tmp_path, **kwargs)
-    for kwargs in ({"num_samples": 0}, {"every": 0}, {"every": 1.5}):
+    for kwargs in ({"num_samples": 0}, {"every": 0}, {"every": 1.5}, {"prefix": None}):
         with pytest.raises(ValueError):
             callbacks.PredictiveValidation(x, y, **kwargs)
     with pytest.raises(ValueError, match=r"evaluate\(\) needs a model: pass the callback"):
@@ -199,7 +199,9 @@ class EpochCounter(keras.callbacks.Callback):
     ("dict", TypeError, "one array"),
     ("short_y", ValueError, "10 targets for 16 inputs"),
     ("soft_labels", ValueError, "not soft labels"),
-    ("wrong_features", ValueError, "cannot score the validation data"),
+    ("wrong_features", ValueError, r"takes inputs of shape \(None, 3\)"),
+    ("nan_x", ValueError, "inputs `x` contain NaN"),
+    ("nan_y", ValueError, "targets `y` contain NaN"),
     ("wrong_target_width", ValueError, "cannot score the validation data"),
 ])
 def test_predictive_validation_rejects_unusable_data_before_training(bad, error, match):
@@ -215,6 +217,10 @@ def test_predictive_validation_rejects_unusable_data_before_training(bad, error,
         y_val = y[:10]
     elif bad == "wrong_features":
         x_val = np.concatenate([x, x[:, :2]], axis=1)
+    elif bad == "nan_x":
+        x_val = np.where(x > 1, np.nan, x)
+    elif bad == "nan_y":
+        y_val = np.where(y > 0, np.inf, y)
     elif bad == "wrong_target_width":
         y_val = np.concatenate([y, y], axis=1)
     else:

@@ -154,11 +154,20 @@ def _residual():
     return keras.Model(inputs, _dense("d3", 1)(_dense("d2", 2)(merged)))
 
 
+def _mixed_dtypes():
+    """d0-d1 in float32, d2-d3 in float64: the dtype change used to fail the first step (a float32
+    by float64 MatMul of the cross factors)."""
+    return keras.Sequential([keras.Input((3,)), _dense("d0", 4), _dense("d1", 5),
+                             keras.layers.Dense(4, activation="tanh", name="d2", dtype="float64"),
+                             keras.layers.Dense(1, name="d3", dtype="float64")])
+
+
 @pytest.mark.parametrize("make_net, chains", [
     (PermutedStack, [["d0", "d1", "d2", "d3"]]),
     (_nested, [["d0", "d1", "d2", "d3"]]),
     (_branches, [["d4", "d3"]]),
     (_residual, [["d2", "d3"]]),
+    (_mixed_dtypes, [["d0", "d1"], ["d2", "d3"]]),
 ])
 def test_chains_follow_the_data_flow_not_the_order_of_creation(make_net, chains):
     """Chains link a layer to the one its output feeds, whatever the order in which the layers were

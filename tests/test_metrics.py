@@ -26,6 +26,11 @@ def test_rmse_rejects_bad_inputs():
         metrics.rmse([1.0, float("nan")], [1.0, 2.0])
     with pytest.raises(ValueError, match="Empty"):
         metrics.rmse([], [])
+    with pytest.raises(ValueError, match="inf"):                   # NaN, reported as such
+        metrics.rmse([np.inf], [np.inf])
+    for bad in (None, ["a", "b"]):                                 # "contains NaN", ValueError
+        with pytest.raises(ValueError, match="array of numbers"):
+            metrics.rmse(bad, [1.0, 2.0])
 
 
 def test_log_mean_exp_by_hand_and_stable():
@@ -171,3 +176,8 @@ def test_coverage_rejects_bad_inputs():
         metrics.coverage([0.0, 1.0], [0.0], [1.0])
     with pytest.raises(ValueError, match="NaN"):
         metrics.coverage([0.0], [np.nan], [1.0])
+    with pytest.raises(ValueError, match="inf"):                   # coverage 1.0
+        metrics.coverage([0.0, 1.0], [100.0, 100.0], [np.inf, np.inf])
+    for level in ("0.9", None, float("nan"), True):               # TypeError for the first two
+        with pytest.raises(ValueError, match="level"):
+            metrics.coverage([0.0], [0.0], [1.0], level=level)

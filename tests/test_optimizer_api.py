@@ -136,6 +136,11 @@ def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
             tfnng.predict(model, bad, num_samples=2)
     with pytest.raises(ValueError, match="at least one input example"):
         tfnng.predict(model, x[:0], num_samples=2)
+    with pytest.raises(ValueError, match="contain NaN or Inf"):          # NaN rows, silently
+        tfnng.predict(model, np.where(np.eye(16, 4) > 0, np.inf, x), num_samples=2)
+    tfnng.predict(model, x, num_samples=2)       # after a call, the relaxed trace took any width:
+    with pytest.raises(ValueError, match=r"takes inputs of shape \(None, 4\)"):   # MatMul error
+        tfnng.predict(model, x[:, :3], num_samples=2)
     for bad in (0, -2, 2.5):
         with pytest.raises(ValueError, match="batch_size"):
             tfnng.predict(model, x, num_samples=2, batch_size=bad)
@@ -279,6 +284,9 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     ({"num_examples": 10, "beta_1": None}, "beta_1"),
     ({"num_examples": 10, "learning_rate": float("nan")}, "learning_rate"),
     ({"num_examples": 10, "learning_rate": -0.01}, "learning_rate"),
+    ({"num_examples": 10, "clipnorm": -1.0}, "clipnorm"),      # Keras drops these silently
+    ({"num_examples": 10, "clipvalue": 0.0}, "clipvalue"),
+    ({"num_examples": 10, "global_clipnorm": float("nan")}, "global_clipnorm"),
 ])
 def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -303,6 +311,12 @@ def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
     (lambda: tfnng.optimizers.SLANG(num_examples=10, oversampling=-2), "oversampling"),
     (lambda: tfnng.optimizers.NoisyNaturalGradient(num_examples=10, max_parameters=0),
      "max_parameters"),
+    # bool("False") is True; a decay without a clip did nothing
+    (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, block_tridiagonal="False"),
+     "block_tridiagonal"),
+    (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, inverse_warmup="no"), "inverse_warmup"),
+    (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, kl_clip_decay=0.5), "need `kl_clip`"),
+    (lambda: tfnng.optimizers.KFAC(kl_clip_decay_steps=10), "need `kl_clip`"),
 ])
 def test_method_specific_hyper_parameters_are_validated(make, match):
     with pytest.raises(ValueError, match=match):
@@ -348,6 +362,24 @@ def test_posterior_access_before_build_or_for_a_foreign_variable_is_a_clear_erro
     optimizer.build(model.trainable_variables)
     with pytest.raises(ValueError, match="no posterior for"):
         optimizer.posterior_mean(keras.Variable(np.zeros(3, "float32")))
+    for not_a_variable in (model.layers[0].kernel.path, model.layers[0], tf.zeros(3)):
+        with pytest.raises(TypeError, match="the posterior's variable itself"):   # AttributeError
+            optimizer.posterior_stddev(not_a_variable)
+    with pytest.raises(TypeError, match="marks one variable"):    # the mark was never read
+        tfnng.mark_point_estimate(model.layers[0])
+
+
+@pytest.mark.parametrize("learning_rate", [
+    keras.optimizers.schedules.PolynomialDecay(-0.05, 100, end_learning_rate=-0.05),
+    lambda: float("nan")])
+def test_learning_rate_schedules_giving_negative_or_nan_values_stop_training(learning_rate):
+    """A negative value trained uphill, NaN made the posterior mean NaN: both silently."""
+    x, y = regression_data(n=32)
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate, num_examples=32),
+                  loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning_rate` schedule"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
 def test_weight_noise_is_seeded_and_drawn_with_philox_also_under_xla():

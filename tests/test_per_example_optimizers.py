@@ -628,6 +628,31 @@ def test_bad_arguments_raise_clear_errors():
         plain.fit(np.zeros((4, 3)), np.zeros((4, 1)), verbose=0)
 
 
+@pytest.mark.parametrize("beta", [3.0, -0.5])
+def test_beta_schedules_outside_the_unit_interval_stop_training(beta):
+    """A schedule was never checked: 3.0 made the curvature negative (NaN loss, blamed on the
+    gradients), -0.5 made it grow without bound, silently."""
+    schedule = keras.optimizers.schedules.PolynomialDecay(beta, 100, end_learning_rate=beta)
+    model = tfnng.BayesianModel(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=tfnng.optimizers.VOGN(1e-2, num_examples=8, beta=schedule),
+                  loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"`beta` schedule must give values"):
+        model.fit(np.zeros((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0)
+
+
+def test_curvature_missing_from_a_custom_loop_is_a_clear_error():
+    """Both used to end in Python errors about None (TypeError, AttributeError)."""
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    optimizer = tfnng.optimizers.VOGN(1e-2, num_examples=8)
+    optimizer.prepare_curvature(LayerCapture(net).specs)
+    with pytest.raises(ValueError, match="received no per-example statistics"):
+        optimizer.apply_gradients(zip([tf.zeros_like(v) for v in net.trainable_variables],
+                                      net.trainable_variables))
+    with pytest.raises(ValueError, match="consumes curvature statistics.*got NoisyAdam"):
+        gradients_and_curvature(net, LayerCapture(net), tfnng.optimizers.NoisyAdam(num_examples=8),
+                                tfnng.losses.GaussianNLL(), np.zeros((4, 3)), np.zeros((4, 1)))
+
+
 def test_slang_config_round_trip_keeps_the_eigendecomposition_settings():
     optimizer = tfnng.optimizers.SLANG(1e-3, num_examples=10, rank=3, eig_method="randomized",
                                        oversampling=4, power_iterations=1)

@@ -317,10 +317,21 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
         (regression, {"num_samples": -3}, "num_samples"),
         (regression, {"num_samples": 2.5}, "num_samples"),
         (regression, {"num_samples": True}, "num_samples"),
+        (regression, {"outputs": None}, "outputs"),                  # TypeError
     ]
     for model, kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
             serving.export(model, path, **kwargs)
+    # These wrote into ./None, into the working directory, or merged into an unrelated folder.
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep")
+    (tmp_path / "file").write_text("keep")
+    for bad_path, message in ((None, "must name a directory"), ("", "must name a directory"),
+                              (tmp_path / "notes", "other things than a SavedModel"),
+                              (tmp_path / "file", "other things than a SavedModel")):
+        with pytest.raises(ValueError, match=message):
+            serving.export(regression, bad_path)
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
 
     def net():
         return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

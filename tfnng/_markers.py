@@ -17,8 +17,19 @@ factor's own natural gradient whatever the optimizer was told. tfnng optimizers 
 Keras optimizers ignore the markers and see the ordinary gradient.
 """
 
+import keras
+import tensorflow as tf
+
 _POINT_ESTIMATE_ATTR = "_tfnng_point_estimate"
 _NATURAL_STEP_ATTR = "_tfnng_natural_step"
+
+
+def _require_variable(function, variable):
+    """The markers are read from variables only: on a layer or tensor the mark would do nothing."""
+    if not isinstance(variable, (keras.Variable, tf.Variable)):
+        raise TypeError(f"{function} marks one variable (e.g. `layer.kernel`); got "
+                        f"{type(variable).__name__}. To mark a layer's weights, mark each of "
+                        "`layer.trainable_weights`.")
 
 
 def mark_point_estimate(variable):
@@ -27,6 +38,7 @@ def mark_point_estimate(variable):
     The mark is a Python attribute of the variable, not saved with the model: mark in the layer's
     ``build`` so that a model rebuilt by ``keras.models.load_model`` has it again.
     """
+    _require_variable("mark_point_estimate", variable)
     setattr(variable, _POINT_ESTIMATE_ATTR, True)
     return variable
 
@@ -39,6 +51,7 @@ def is_point_estimate(variable):
 def mark_natural_parameter(variable, natural_step):
     """Mark ``variable`` as parameterising a conjugate factor that tfnng optimizers update by
     ``variable.assign(natural_step(variable, gradient, min(lr, 1)))`` (see the module docstring)."""
+    _require_variable("mark_natural_parameter", variable)
     if not callable(natural_step):
         raise TypeError("mark_natural_parameter: `natural_step` must be a function "
                         f"(value, gradient, step_size) -> new value; got {natural_step!r}.")

@@ -76,7 +76,9 @@ class PredictiveValidation(keras.callbacks.Callback):
         self.batch_size = None if batch_size is None else _positive_int("batch_size", batch_size)
         self.likelihood = likelihood
         self.num_bins = _positive_int("num_bins", num_bins)
-        self.prefix = str(prefix)
+        if not isinstance(prefix, str):
+            raise ValueError(f"PredictiveValidation: `prefix` must be a string, got {prefix!r}.")
+        self.prefix = prefix
 
     def on_train_begin(self, logs=None):
         # Fail now rather than at the end of the first scored epoch.
@@ -88,12 +90,14 @@ class PredictiveValidation(keras.callbacks.Callback):
         and ECE can score (class ids or one-hot rows), and, for a built model, that the model and
         the likelihood score the first example (its shapes and types; a forward pass at the current
         weights with ``training=False``; random-number states are restored)."""
-        x = _inputs(self.x)
+        x = _inputs(self.x, self.model, caller="PredictiveValidation")
         num_inputs = x.shape[0]
         y = np.asarray(self.y)
         if y.ndim == 0 or len(y) != num_inputs:
             raise ValueError(f"PredictiveValidation: `y` has {len(y) if y.ndim else 0} targets for "
                              f"{num_inputs} inputs `x`.")
+        if y.dtype.kind == "f" and not np.isfinite(y).all():
+            raise ValueError("PredictiveValidation: the targets `y` contain NaN or Inf.")
         if likelihood.is_classification and y.ndim == 2 and y.shape[1] > 1:
             try:
                 _metrics._class_labels(y, len(y), y.shape[1])

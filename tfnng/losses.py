@@ -34,7 +34,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng._dtypes import at_least_float32
-from tfnng._xla import compiled_with_xla
+from tfnng._xla import checked
 
 tfd = tfp.distributions
 
@@ -68,15 +68,33 @@ def _stateless_seed(seed):
     return tf.cast(seed, tf.int32)
 
 
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def require_mean_reduction(loss_name, reduction):
+    """Stop with a clear error unless ``reduction`` averages over the batch: tfnng optimizers
+    multiply the mean loss by N (a sum would weaken the prior and lengthen the step by the batch
+    size), and the empirical Fisher multiplies its gradients by B."""
+    if reduction not in MEAN_REDUCTIONS:
+        raise ValueError(
+            f"tfnng optimizers need a loss averaged over the batch (reduction "
+            f"'sum_over_batch_size', Keras's default): they scale the mean loss by num_examples. "
+            f"Got {loss_name} with reduction={reduction!r}.")
+
+
 class LikelihoodLoss(keras.losses.Loss):
     """Base class: a Keras loss that is also an observation model p(y | network output).
 
     Subclasses implement ``call``, ``log_prob`` and ``distribution``; ``sample`` is shared.
+    ``reduction`` is a mean over the batch (Keras's default; a sum is refused, since tfnng
+    optimizers scale the mean loss by N) or ``"none"`` (per-example values, for custom loops).
     """
 
     is_classification = False
 
     def __init__(self, name=None, reduction="sum_over_batch_size", dtype=None):
+        if reduction not in ("none", None):     # per-example losses, for custom loops
+            require_mean_reduction(type(self).__name__, reduction)
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         if self.dtype in ("float16", "bfloat16"):
             # Keras casts y_true and y_pred to this dtype before ``call``: class ids above 2048
@@ -178,7 +196,12 @@ class GaussianNLL(LikelihoodLoss):
                 "[mean (d), alpha (d), beta (d)], the output of tfnng.layers.NoisePrecision; "
                 f"got y_pred with shape {tuple(y_pred.shape)}."
             )
-        return tf.split(y_pred, 3, axis=-1)
+        mean, alpha, beta = tf.split(y_pred, 3, axis=-1)
+        alpha, beta = tf.unstack(checked(
+            tf.stack([alpha, beta]), tf.stack([alpha, beta]) > 0,
+            'GaussianNLL("learned"): alpha and beta (the last two thirds of y_pred) must be '
+            "positive: y_pred is the output of tfnng.layers.NoisePrecision."))
+        return mean, alpha, beta
 
     @staticmethod
     def _targets(y_true, mean):
@@ -238,20 +261,6 @@ class GaussianNLL(LikelihoodLoss):
         return config
 
 
-def _checked(labels, valid, message):
-    """``labels``, after raising ``InvalidArgumentError`` with ``message`` unless all of ``valid`` holds.
-
-    Eagerly and in graphs, where what uses the returned labels runs after the check. XLA
-    (``jit_compile=True``) has no run-time assertions: there the check is left out, and an
-    out-of-range class id is clamped by the gather.
-    """
-    if compiled_with_xla():
-        return labels
-    with tf.control_dependencies([tf.debugging.assert_equal(tf.reduce_all(valid), True,
-                                                            message=message)]):
-        return tf.identity(labels)
-
-
 def _same_batch(y_true, y_pred, name):
     """``y_true`` after checking that it has as many examples as ``y_pred`` (statically when both
     sizes are known, else at run time): a single label row must not broadcast over a batch."""
@@ -260,7 +269,7 @@ def _same_batch(y_true, y_pred, name):
                          f"{y_pred.shape[0]}.")
     if y_true.shape[0] is not None and y_pred.shape[0] is not None:
         return y_true
-    return _checked(y_true, tf.equal(tf.shape(y_true)[0], tf.shape(y_pred)[0]),
+    return checked(y_true, tf.equal(tf.shape(y_true)[0], tf.shape(y_pred)[0]),
                     f"{name}: y_true and y_pred have different numbers of examples.")
 
 
@@ -272,7 +281,8 @@ class CategoricalNLL(LikelihoodLoss):
     ``(batch,)`` or ``(batch, 1)`` -> integer class ids in [0, K) (ints or integral floats; other
     values raise ``InvalidArgumentError``, except under XLA, which has no run-time checks); rank 2
     ``(batch, K)`` with ``K > 1`` -> one-hot (or soft) label vectors, for which
-    log p = sum_k y_k log softmax(y_pred)_k.
+    log p = sum_k y_k log softmax(y_pred)_k (entries >= 0, rows summing to 1 within 1e-3;
+    checked at run time like the ids).
     """
 
     is_classification = True
@@ -287,15 +297,19 @@ class CategoricalNLL(LikelihoodLoss):
             rank = 1
         if rank == 1:
             if y_true.dtype.is_floating:
-                y_true = _checked(y_true, tf.equal(y_true, tf.round(y_true)),
+                y_true = checked(y_true, tf.equal(y_true, tf.round(y_true)),
                                   "CategoricalNLL: class ids given as floats must be integral (soft "
                                   "labels are (batch, K) probability vectors).")
-            ids = tf.cast(y_true, tf.int32)
-            return "ids", _checked(
+            ids = _same_batch(tf.cast(y_true, tf.int32), logits, "CategoricalNLL")
+            return "ids", checked(
                 ids, (ids >= 0) & (ids < tf.shape(logits)[-1]),
                 f"CategoricalNLL: class ids must lie in [0, K), K = {num_classes} classes.")
         if rank == 2 and y_true.shape[-1] == num_classes and num_classes is not None:
-            return "probs", _same_batch(tf.cast(y_true, logits.dtype), logits, "CategoricalNLL")
+            probs = _same_batch(tf.cast(y_true, logits.dtype), logits, "CategoricalNLL")
+            return "probs", checked(
+                probs, (probs >= 0) & (tf.abs(tf.reduce_sum(probs, -1, keepdims=True) - 1) <= 1e-3),
+                "CategoricalNLL: one-hot or soft labels must be probability vectors (entries >= 0, "
+                "each row summing to 1).")
         raise ValueError(
             "CategoricalNLL: y_true must be integer labels of shape (batch,) or (batch, 1), or "
             f"one-hot labels of shape (batch, K={num_classes}); got shape {tuple(y_true.shape)}."
@@ -303,10 +317,10 @@ class CategoricalNLL(LikelihoodLoss):
 
     def _logits(self, y_pred):
         logits = self._y_pred(y_pred)
-        if logits.shape.rank != 2:
+        if logits.shape.rank != 2 or logits.shape[-1] == 1:
             raise ValueError(
-                "CategoricalNLL: y_pred must be logits of shape (batch, K); "
-                f"got {tuple(logits.shape)}."
+                "CategoricalNLL: y_pred must be logits of shape (batch, K), K >= 2 classes (one "
+                f"logit per example is BernoulliNLL's); got {tuple(logits.shape)}."
             )
         return logits
 
@@ -365,7 +379,7 @@ class BernoulliNLL(LikelihoodLoss):
                 f"got {tuple(y_true.shape)}."
             )
         y_true = _same_batch(y_true, logits, "BernoulliNLL")
-        y_true = _checked(y_true, (y_true >= 0) & (y_true <= 1),
+        y_true = checked(y_true, (y_true >= 0) & (y_true <= 1),
                           "BernoulliNLL: y_true must lie in [0, 1] (labels 0 and 1, or probabilities).")
         ce = tf.nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=logits)
         return -tf.squeeze(ce, axis=-1)

@@ -2,14 +2,15 @@
 
 Inputs may be NumPy arrays, Python sequences or eager TensorFlow tensors. Every function checks
 shapes (``ValueError`` on mismatch; an array of shape ``(N,)`` and one of shape ``(N, 1)`` are
-treated as the same shape) and rejects NaN inputs with a ``ValueError``. Scalar metrics are returned
-as Python floats.
+treated as the same shape) and rejects non-numeric, NaN and infinite inputs with a ``ValueError``
+(per-sample log-likelihoods may be ``-inf``). Scalar metrics are returned as Python floats.
 
 Classification probabilities are ``(N, K)`` rows of class probabilities, or ``(N, 1)`` holding the
 probability of class 1 of a binary problem (the output of
 ``tfnng.losses.BernoulliNLL.probabilities``), which is treated as the two classes ``[1 - p, p]``.
 """
 
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -18,11 +19,20 @@ from scipy import special, stats
 _PROB_ATOL = 1e-3  # tolerance on probabilities lying in [0, 1] and rows summing to one
 
 
-def _array(name, x, dtype=np.float64):
-    """``x`` as a NumPy array; NaN entries raise."""
-    x = np.asarray(x, dtype=dtype)
-    if np.issubdtype(x.dtype, np.floating) and np.isnan(x).any():
-        raise ValueError(f"`{name}` contains NaN.")
+def _array(name, x, dtype=np.float64, finite=True):
+    """``x`` as a numeric NumPy array; NaN entries (and with ``finite``, +-inf) raise."""
+    try:
+        x = None if x is None else np.asarray(x, dtype=dtype)      # asarray(None) is NaN
+    except (TypeError, ValueError):
+        x = None
+    if x is None or x.dtype == object or not (np.issubdtype(x.dtype, np.number)
+                                             or x.dtype == bool):
+        raise ValueError(f"`{name}` must be an array of numbers.")
+    if np.issubdtype(x.dtype, np.floating):
+        if np.isnan(x).any():
+            raise ValueError(f"`{name}` contains NaN.")
+        if finite and np.isinf(x).any():
+            raise ValueError(f"`{name}` contains +-inf.")
     return x
 
 
@@ -92,7 +102,7 @@ def log_mean_exp_log_likelihood(per_sample_log_probs):
     logsumexp over s minus log S (the "test log-likelihood" of NNG Tables 1, 5 is its mean).
     ``-inf`` entries (zero likelihood) are allowed; NaN and ``+inf`` are rejected.
     """
-    log_probs = _array("per_sample_log_probs", per_sample_log_probs)
+    log_probs = _array("per_sample_log_probs", per_sample_log_probs, finite=False)
     if log_probs.ndim != 2 or 0 in log_probs.shape:
         raise ValueError(
             f"`per_sample_log_probs` must have shape (S, N) with S, N > 0; got {log_probs.shape}."
@@ -161,7 +171,7 @@ def coverage(y_true, mean, std, level=0.95):
 
     Used as the empirical coverage of the ``level`` predictive interval (ideal value ``level``).
     """
-    if not 0.0 < level < 1.0:
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
         raise ValueError(f"`level` must lie in (0, 1); got {level!r}.")
     y_true, mean, std = _same_shape(
         y_true=_array("y_true", y_true), mean=_array("mean", mean), std=_array("std", std)

@@ -68,6 +68,7 @@ from tfnng import _markers
 from tfnng import losses as _losses
 from tfnng._dtypes import at_least_float32
 from tfnng._names import unique_names
+from tfnng._xla import checked
 from tfnng.curvature import capture as _capture
 from tfnng.curvature import per_example as _per_example
 from tfnng.optimizers.base import NoisyOptimizer
@@ -135,7 +136,7 @@ def _example_weights(sample_weight):
     if not weights.dtype.is_floating:
         weights = tf.cast(weights, tf.float32)
     weights = tf.reshape(weights, [-1])
-    return _losses._checked(weights, weights >= 0, "sample weights must be non-negative.")
+    return checked(weights, weights >= 0, "sample weights must be non-negative.")
 
 
 def _masked_example_weights(weights, y_pred):
@@ -160,21 +161,13 @@ def _scale_examples(tensor, scale):
     return tensor * tf.reshape(tf.cast(scale, tensor.dtype), [-1] + [1] * (tensor.shape.rank - 1))
 
 
-MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-
-
 def check_mean_reduction(loss):
     """Stop with a clear error unless every loss in ``loss`` (one, or a list/dict per output) is a mean
-    over the batch: tfnng optimizers multiply the mean loss by N (a sum would weaken the prior and
-    lengthen the step by the batch size), and the empirical Fisher multiplies its gradients by B.
-    Losses without a ``reduction`` attribute (plain functions, Keras names) are means."""
+    over the batch (:func:`tfnng.losses.require_mean_reduction`). Losses without a ``reduction``
+    attribute (plain functions, Keras names) are means."""
     for single in tf.nest.flatten(loss):
-        reduction = getattr(single, "reduction", MEAN_REDUCTIONS[0])
-        if reduction not in MEAN_REDUCTIONS:
-            raise ValueError(
-                f"tfnng optimizers need a loss averaged over the batch (reduction "
-                f"'sum_over_batch_size', Keras's default): they scale the mean loss by num_examples. "
-                f"Got {type(single).__name__} with reduction={reduction!r}.")
+        _losses.require_mean_reduction(type(single).__name__,
+                                       getattr(single, "reduction", _losses.MEAN_REDUCTIONS[0]))
 
 
 _TRUE_FISHER = "The true Fisher, which samples targets from the model's predictive,"
@@ -246,6 +239,11 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         captured statistics are unscaled.
     """
     requirements = _requirements(optimizer)
+    if requirements is None:
+        raise ValueError(
+            "gradients_and_curvature needs an optimizer that consumes curvature statistics (the "
+            "noisy K-FAC family, VOGN, SLANG, NoisyNaturalGradient, or NoisyAdam with `fisher=`); "
+            f"got {type(unwrap_optimizer(optimizer)).__name__}.")
     _check_same_model(unwrap_optimizer(optimizer), capture)
     check_mean_reduction(loss_fn)
     variables = list(net.trainable_variables)

@@ -88,7 +88,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     if bayesian:
         optimizer._require_posterior_of(model)      # else an error, not one deterministic draw
     num_samples = num_samples if bayesian else 1
-    x = _inputs(x)
+    x = _inputs(x, model)
     batch_size = x.shape[0] if batch_size is None else _positive_int("batch_size", batch_size)
     forward = _traced_forward(model)
     draw = _traced_draw(optimizer) if bayesian else None
@@ -159,19 +159,30 @@ def _traced_draw(optimizer):
                    autograph=False)
 
 
-def _inputs(x):
-    """``x`` as one tensor with a batch axis of at least one example (clear error otherwise)."""
+def _inputs(x, model, caller="tfnng.predict"):
+    """``x`` as one tensor with a batch axis of at least one example, finite, of a shape ``model``
+    takes where it declares one (clear errors otherwise: after a first call, the relaxed trace of
+    the forward pass would fail deep in TensorFlow)."""
     several = isinstance(x, (list, tuple)) and any(isinstance(part, (np.ndarray, tf.Tensor, dict))
                                                    for part in x)
     if several or isinstance(x, (tf.data.Dataset, dict)):
         raise TypeError(
-            "tfnng.predict takes one array or tensor of inputs, shape (N, ...); got "
+            f"{caller} takes one array or tensor of inputs, shape (N, ...); got "
             f"{type(x).__name__}{' of arrays' if several else ''}. For a tf.data pipeline, call it "
             "on the arrays (e.g. per batch); for a model with several inputs, draw weight samples "
             "with `model.optimizer.sample_weights()` and call the model at each.")
     x = tf.convert_to_tensor(x)
     if x.shape.rank == 0 or x.shape[0] == 0:
-        raise ValueError(f"tfnng.predict needs at least one input example, got shape {tuple(x.shape)}.")
+        raise ValueError(f"{caller} needs at least one input example, got shape {tuple(x.shape)}.")
+    if x.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(x))):
+        raise ValueError(f"{caller}: the inputs `x` contain NaN or Inf.")
+    try:
+        expected = tf.TensorShape(model.input_shape)
+    except (AttributeError, TypeError, ValueError):          # no declared input (subclassed model)
+        return x
+    if not expected.is_compatible_with(x.shape):
+        raise ValueError(f"{caller}: the model takes inputs of shape {tuple(expected)}; got `x` "
+                         f"of shape {tuple(x.shape)}.")
     return x
 
 

@@ -33,6 +33,8 @@ Output names (the ``outputs`` argument selects some; shapes for inputs of batch 
 is the batch, as TF Serving's row ("instances") format requires.
 """
 
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -332,14 +334,30 @@ class _Predictive(tf.Module):
 
 def _validate_outputs(outputs, likelihood):
     available = CLASSIFICATION_OUTPUTS if likelihood.is_classification else REGRESSION_OUTPUTS
-    outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
-    unknown = [name for name in outputs if name not in available]
+    if isinstance(outputs, str):
+        outputs = (outputs,)
+    unknown = ["?"] if not isinstance(outputs, (list, tuple)) else [
+        name for name in outputs if not isinstance(name, str) or name not in available]
     if not outputs or unknown or len(set(outputs)) != len(outputs):
         kind = "classification" if likelihood.is_classification else "regression"
         raise ValueError(
             f"`outputs` must be distinct names among {sorted(available)} ({kind} with "
             f"{type(likelihood).__name__}); got {outputs!r}.")
     return {name: available[name] for name in outputs}
+
+
+def _export_directory(path):
+    """``path`` as a string, if it names a new or empty directory or a SavedModel to replace:
+    TensorFlow would write into the working directory (``""``), a folder named ``None``, or merge
+    into an unrelated folder."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"tfnng.serving.export: `path` must name a directory; got {path!r}.")
+    path = os.fspath(path)
+    if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path) and not os.path.isfile(
+            os.path.join(path, "saved_model.pb"))):
+        raise ValueError(f"tfnng.serving.export: {path!r} is a file or a folder that holds other "
+                         "things than a SavedModel; give a new or empty directory.")
+    return path
 
 
 def export(model, path, num_samples=100, outputs=("mean", "variance", "samples"), likelihood=None):
@@ -353,17 +371,19 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
         model: a trained Keras model with one input tensor of known shape, compiled with a tfnng
             optimizer: the diagonal family, the noisy K-FAC family, SLANG or NoisyNaturalGradient
             (the last three in a ``tfnng.BayesianModel``).
-        path: directory to write (for TF Serving: ``<model_base_path>/<version>``).
+        path: directory to write (for TF Serving: ``<model_base_path>/<version>``): new, empty,
+            or an earlier SavedModel to replace.
         num_samples: number S of weight samples per call.
         outputs: names of the signature outputs (module docstring).
         likelihood: a tfnng loss interpreting the outputs; defaults to ``model.loss``.
 
     Raises:
-        ValueError: bad ``num_samples`` or ``outputs``, no likelihood, or an optimizer whose
-            posterior cannot be sampled in the graph (not a tfnng optimizer, not built, built for
+        ValueError: bad ``path``, ``num_samples`` or ``outputs``, no likelihood, or an optimizer
+            whose posterior cannot be sampled in the graph (not a tfnng optimizer, not built, built for
             none of the model's variables, or a subclass that overrides its family's sampling
             methods).
     """
+    path = _export_directory(path)
     likelihood = _likelihood_of(model, likelihood, caller="tfnng.serving.export")
     num_samples = _positive_int("num_samples", num_samples)      # as tfnng.predict
     outputs = _validate_outputs(outputs, likelihood)
@@ -371,4 +391,4 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
     module = _Predictive(model, optimizer, likelihood, num_samples, outputs, *_tensor_specs(model))
     signatures = {"serving_default": module.serving_default.get_concrete_function(),
                   "seeded": module.seeded.get_concrete_function()}
-    tf.saved_model.save(module, str(path), signatures=signatures)
+    tf.saved_model.save(module, path, signatures=signatures)

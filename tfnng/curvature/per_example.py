@@ -53,8 +53,9 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     Args:
         model: a callable Keras model (or layer): ``model(x, training=training)``.
         loss_fn: ``loss_fn(y_true, y_pred)`` returning per-example losses (any shape whose leading
-            axis is the batch) or their sum, e.g. ``keras.losses.binary_crossentropy`` or a Keras loss
-            object with ``reduction="sum"``. Its value is summed per example.
+            axis is the batch) or their sum, e.g. ``keras.losses.binary_crossentropy``, a Keras loss
+            object with ``reduction="sum"`` or a tfnng loss with ``reduction="none"``. Its value is
+            summed per example.
         x, y: the batch (``x`` may be a nested structure of tensors with a common leading axis).
         variables: the variables to differentiate (default ``model.trainable_variables``).
         method: ``"vectorized_map"`` (per-example backward passes vectorised by ``pfor``),

@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from tfnng import curvature as _curvature
+from tfnng._xla import checked
 from tfnng.curvature import per_example as _per_example
 from tfnng.optimizers.base import CurvatureConsumer, NoisyOptimizer, _finite_float, _non_negative
 
@@ -48,8 +49,9 @@ class PerExampleStatistics:
         """One part of a captured layer's per-example quantity, computed once per layer and step."""
         spec, part = self._fast_sources[index]
         key = (compute.__name__, spec.name)
+        records = self._records()               # a clear error first when there are none
         if key not in self._curvature_cache:
-            self._curvature_cache[key] = compute(spec, self._records()[spec.name])
+            self._curvature_cache[key] = compute(spec, records[spec.name])
         kernel, bias = self._curvature_cache[key]
         return kernel if part == "kernel" else bias
 
@@ -126,7 +128,7 @@ class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimize
                       "Dense/Conv2D fast path).", type(self).__name__, ", ".join(generic))
 
     def _beta_now(self, dtype):
-        return rate_at(self.beta, self._update_count, dtype)
+        return rate_at("beta", self.beta, self._update_count, dtype)
 
     def get_config(self):
         return {**super().get_config(), "beta": serialize_rate(self.beta),
@@ -147,10 +149,13 @@ def resolve_rate(name, value):
     return number
 
 
-def rate_at(rate, step, dtype):
-    """The value of a :func:`resolve_rate` rate at update number ``step``."""
+def rate_at(name, rate, step, dtype):
+    """The value of a :func:`resolve_rate` rate at update number ``step`` (a schedule's value is
+    checked to lie in (0, 1], as :func:`tfnng._xla.checked` can)."""
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
-        return tf.cast(rate(step), dtype)
+        value = tf.cast(rate(step), dtype)
+        return checked(value, (value > 0) & (value <= 1),
+                       f"the `{name}` schedule must give values in (0, 1].")
     return tf.constant(rate, dtype)
 
 

@@ -29,12 +29,13 @@ import numbers
 import threading
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfnng import _markers, _random
 from tfnng._dtypes import at_least_float32
 from tfnng._names import unique_names, variable_path
-from tfnng._xla import compiled_with_xla
+from tfnng._xla import checked, compiled_with_xla
 from tfnng.posteriors import diagonal as _diagonal
 
 
@@ -93,6 +94,13 @@ def _probability(name, value):
     if number is None or not 0.0 <= number < 1.0:
         raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
     return number
+
+
+def _boolean(name, value):
+    """A flag given as a bool (``bool("False")`` would be True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+    return bool(value)
 
 
 def _resolve_prior_variance(prior_variance, prior_precision):
@@ -209,6 +217,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                     "the role of weight decay, the posterior mean is the weight average, and "
                     "`mc_samples` accumulates gradients.")
             kwargs.pop(unsupported, None)
+        for clip in ("clipnorm", "clipvalue", "global_clipnorm"):   # Keras drops values <= 0
+            if kwargs.get(clip) is not None:
+                kwargs[clip] = _positive(clip, kwargs[clip])
         if isinstance(learning_rate, numbers.Real):      # schedules and callables are Keras's
             learning_rate = _non_negative("learning_rate", learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
@@ -321,10 +332,18 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     # --------------------------------------------------------------------------------- update step
     def _get_current_learning_rate(self):
-        # Schedules see completed posterior updates, not gradient evaluations.
+        # Schedules see completed posterior updates, not gradient evaluations. A schedule's or a
+        # callable's value is checked (a number was, in __init__): negative, it would train uphill.
         if isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            return self._learning_rate(self._update_count if self.built else self._iterations)
-        return super()._get_current_learning_rate()
+            rate = self._learning_rate(self._update_count if self.built else self._iterations)
+        else:
+            rate = super()._get_current_learning_rate()
+            if not callable(self._learning_rate):
+                return rate
+        rate = tf.convert_to_tensor(rate)
+        as_float = tf.cast(rate, tf.float32)
+        return checked(rate, tf.math.is_finite(as_float) & (as_float >= 0),
+                       "the `learning_rate` schedule or callable must give finite values >= 0.")
 
     def _initialize_means_once(self):
         """Copy the model's current weights into the posterior means, the first time only."""
@@ -563,6 +582,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def _posterior_index(self, variable):
         """Index of a variable this optimizer trains (a clear error for any other)."""
         self._require_built()
+        if not isinstance(variable, (keras.Variable, tf.Variable)):
+            raise TypeError(f"{type(self).__name__}: give the posterior's variable itself (e.g. "
+                            f"`layer.kernel`); got {type(variable).__name__}.")
         try:
             return self._get_variable_index(variable)
         except KeyError:

@@ -69,8 +69,8 @@ from tfnng import curvature as _curvature
 from tfnng._names import unique_names
 from tfnng._xla import compiled_with_xla
 from tfnng.curvature import kronecker as _factors
-from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _non_negative, _positive,
-                                   _positive_int, _probability, _unit_rate)
+from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _boolean, _non_negative,
+                                   _positive, _positive_int, _probability, _unit_rate)
 from tfnng.optimizers.diagonal import noisy_adam_step
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
@@ -141,8 +141,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             ``"empirical"`` (observed targets).
         block_tridiagonal: NNG-BlkTri for chains of Dense layers (sec. 3.5).
         kl_clip: c_0 of the KL-clipped step size (App. C.2, eq. 26); None disables it.
-        kl_clip_decay: zeta of ``c_k = c_0 zeta^j``, in (0, 1].
-        kl_clip_decay_steps: updates between increments of j (default: never).
+        kl_clip_decay: zeta of ``c_k = c_0 zeta^j``, in (0, 1] (with ``kl_clip`` only).
+        kl_clip_decay_steps: updates between increments of j (default: never; with ``kl_clip``
+            only).
         inverse_warmup: also refresh the inverses at every statistics update during the first
             ``inverse_every`` updates (default True; False follows Alg. 2 literally).
         factor_prior_count: weight, in batches, of the isotropic start of the factor averages
@@ -174,12 +175,15 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         self.stats_every = _positive_int("stats_every", stats_every)
         self.inverse_every = _positive_int("inverse_every", inverse_every)
         self.fisher = _curvature.Requirements(kronecker=True, fisher=fisher).fisher
-        self.block_tridiagonal = bool(block_tridiagonal)
+        self.block_tridiagonal = _boolean("block_tridiagonal", block_tridiagonal)
         self.kl_clip = None if kl_clip is None else _positive("kl_clip", kl_clip)
         self.kl_clip_decay = _unit_rate("kl_clip_decay", kl_clip_decay)
         self.kl_clip_decay_steps = (None if kl_clip_decay_steps is None
                                     else _positive_int("kl_clip_decay_steps", kl_clip_decay_steps))
-        self.inverse_warmup = bool(inverse_warmup)
+        if self.kl_clip is None and (self.kl_clip_decay != 1.0 or kl_clip_decay_steps is not None):
+            raise ValueError("`kl_clip_decay` and `kl_clip_decay_steps` decay the KL clip: they "
+                             "need `kl_clip`.")
+        self.inverse_warmup = _boolean("inverse_warmup", inverse_warmup)
         self.factor_prior_count = _non_negative("factor_prior_count", factor_prior_count)
         self.hess_init = _positive("hess_init", hess_init)
 
@@ -278,7 +282,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         block's output reaches the next block, and only it, and that block's input comes from it
         alone (``LayerSpec.inputs_from``, found from the forward pass). Layers without a Kronecker
         block in between (activations, normalisation, dropout, frozen layers) do not break a
-        chain; a branch, a merge, or a layer with a block of another kind does."""
+        chain; a branch, a merge, a layer with a block of another kind, or a change of the
+        kernels' dtype (the chain's state has one) does."""
         unknown = [block.spec.name for block in self._blocks if block.spec.inputs_from is None]
         if unknown:
             raise ValueError(
@@ -291,7 +296,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         following = {}
         for name in dense:
             fed = [block for block in self._blocks if name in block.spec.inputs_from]
-            if len(fed) == 1 and fed[0].spec.name in dense and fed[0].spec.inputs_from == (name,):
+            if (len(fed) == 1 and fed[0].spec.name in dense and fed[0].spec.inputs_from == (name,)
+                    and fed[0].spec.layer.kernel.dtype == dense[name].spec.layer.kernel.dtype):
                 following[name] = fed[0]
         followers = {id(block) for block in following.values()}
         chains = []

@@ -131,7 +131,7 @@ def matrix_function(values, vectors, fn):
 def damped_factors(a_factor, s_factor, damping):
     """``(A + pi sqrt(gamma) I, S + (1/pi) sqrt(gamma) I)`` of eq. (13) (dense; tests and references)."""
     pi = damping_split(a_factor, s_factor)
-    root = tf.sqrt(tf.cast(damping, a_factor.dtype))
+    root = tf.cast(tf.sqrt(_f64(damping)), a_factor.dtype)
     return (a_factor + pi * root * tf.eye(tf.shape(a_factor)[0], dtype=a_factor.dtype),
             s_factor + root / pi * tf.eye(tf.shape(s_factor)[0], dtype=s_factor.dtype))
 
