@@ -780,3 +780,48 @@ def test_freezing_a_generic_path_layer_after_build_says_why_it_fails():
     model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
     with pytest.raises(ValueError, match="no longer trainable"):
         model.fit(x.astype("float32"), y.astype("float32"), batch_size=20, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("frozen", [None, "a"])
+def test_layers_sharing_a_name_keep_their_statistics_after_a_freeze_and_recompile(frozen):
+    """Three Dense layers named "d": freezing the first renamed the capture of the others (d_1 to
+    d, d_2 to d_1), so VOGN, recompiled, read each layer's statistics from another layer (an error
+    here, where the shapes differ; silently wrong curvature where they agree). With beta = 1 the
+    curvature after a step is that step's mean squared per-example gradient, checked against a
+    loop over single examples."""
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(4, activation="tanh", name="d")
+            self.b = keras.layers.Dense(4, activation="tanh", name="d")
+            self.c = keras.layers.Dense(1, name="d")
+
+        def call(self, x):
+            return self.c(self.b(self.a(x)))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    net = Net()
+    net(x[:1])
+    optimizer = tfnng.optimizers.VOGN(1e-2, num_examples=8, fisher="empirical", beta=1.0)
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.5)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=loss)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    if frozen:
+        getattr(net, frozen).trainable = False
+    model.compile(optimizer=optimizer, loss=loss)
+    expected = []
+    for layer in (net.b, net.c):
+        rows = []
+        for n in range(8):
+            with tf.GradientTape() as tape:
+                log_p = loss.log_prob(y[n:n + 1], net(x[n:n + 1]))
+            rows.append(tape.gradient(log_p, layer.kernel).numpy())
+        expected.append(np.mean(np.square(rows), axis=0))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for layer, squares in zip((net.b, net.c), expected):
+        curvature = optimizer._slot("hessian", optimizer._get_variable_index(layer.kernel)).numpy()
+        np.testing.assert_allclose(curvature, squares, rtol=1e-4)

@@ -131,9 +131,12 @@ def find_layers(model):
             supported.append((layer, kind))
         elif layer._trainable_variables and layer.trainable:
             fallback.append(layer)
-    names = unique_names([getattr(layer, "path", layer.name) for layer, _ in supported])
-    specs = [LayerSpec(layer, kind, layer.kernel, layer.bias, name)
-             for (layer, kind), name in zip(supported, names)]
+    # Named among all layers, so that freezing one does not rename the others (a shared name gets
+    # a suffix; an optimizer built before the freeze looks its layers' records up by these names).
+    names = dict(zip(map(id, layers), unique_names([getattr(layer, "path", layer.name)
+                                                    for layer in layers])))
+    specs = [LayerSpec(layer, kind, layer.kernel, layer.bias, names[id(layer)])
+             for layer, kind in supported]
     return specs, fallback
 
 
