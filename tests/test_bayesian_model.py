@@ -459,6 +459,19 @@ def test_errors_and_serialization():
         assert clone.get_config() == config
 
 
+@pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=8),
+                                  lambda: tfnng.optimizers.VOGN(num_examples=8),
+                                  lambda: tfnng.optimizers.NoisyKFAC(num_examples=8)])
+def test_a_net_without_trainable_weights_is_a_clear_error(make):
+    """The curvature steps failed on an empty list ("not enough values to unpack")."""
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    net.trainable = False
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=make(), loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match="no trainable weights"):
+        model.fit(np.zeros((8, 3)), np.zeros((8, 1)), verbose=0)
+
+
 def test_bayesian_model_with_a_diagonal_optimizer_and_config_round_trip():
     keras.utils.set_random_seed(7)
     x, y = classification_data(n=32)
@@ -492,18 +505,6 @@ class _ActivationPenalty(keras.layers.Layer):
     def call(self, h):
         self.add_loss(0.5 * tf.reduce_sum(tf.square(h)))
         return h
-
-
-@pytest.fixture
-def float64_keras():
-    """Keras's floatx and dtype policy set to float64 for the test (Keras adds the regularisation
-    losses in floatx; a policy set by an earlier test would override floatx)."""
-    floatx, policy = keras.backend.floatx(), keras.config.dtype_policy()
-    keras.backend.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.backend.set_floatx(floatx)
-    keras.config.set_dtype_policy(policy)
 
 
 @pytest.mark.parametrize("penalty", ["activity_regularizer", "add_loss", "kernel_regularizer",

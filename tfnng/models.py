@@ -405,7 +405,8 @@ class BayesianModel(keras.Model):
 
     See the module docstring for the metrics and the optimizer protocol. With an optimizer that
     declares no ``curvature_requirements`` (the diagonal family, Keras optimizers) the training step
-    is Keras's own plus the ``nll``/``kl`` metrics.
+    is Keras's own plus the ``nll``/``kl`` metrics. A net without trainable weights is an error
+    (Keras's step warns and skips the update).
 
     Args:
         net: a Keras model (Sequential, functional or subclassed; if unbuilt, its first training
@@ -527,6 +528,7 @@ class BayesianModel(keras.Model):
                 nll = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                          training=True)
                 scaled_nll = optimizer.scale_loss(nll)     # mixed precision, as Keras's train_step
+            self._require_trainable_variables()
             grads = tape.gradient(scaled_nll, self.trainable_variables)
             optimizer.apply_gradients(zip(grads, self.trainable_variables))
         else:
@@ -534,6 +536,7 @@ class BayesianModel(keras.Model):
                 # Keras defers building to the first trace of the train step; the captured layers
                 # and the optimizer's state need the net's variables first.
                 self.net(x, training=False)
+            self._require_trainable_variables()
             if self._layer_capture is None:
                 self._prepare_curvature()
             if requirements.layer_links and any(
@@ -561,6 +564,13 @@ class BayesianModel(keras.Model):
             optimizer.apply_gradients(zip(grads, variables))
         self._record(x, nll, self._kl_term(nll.dtype))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _require_trainable_variables(self):
+        """A clear error for a net without trainable weights (Keras's own step would warn and skip
+        the update; here the curvature steps failed on an empty list)."""
+        if not self.net.trainable_variables:
+            raise ValueError(f"BayesianModel: the net {self.net.name!r} has no trainable weights, "
+                             "so there is no posterior to fit (are all its layers frozen?).")
 
     def test_step(self, data):
         x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
