@@ -22,3 +22,15 @@ def wide_mlp_and_one_batch():
     net = keras.Sequential([keras.Input((100,)), keras.layers.Dense(64, activation="relu"),
                             keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
     return net, tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+@pytest.fixture
+def float64_keras():
+    """Keras's floatx and dtype policy set to float64 for the test (Keras adds the regularisation
+    losses in floatx; a policy set by an earlier test would override floatx)."""
+    floatx, policy = keras.backend.floatx(), keras.config.dtype_policy()
+    keras.backend.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    yield
+    keras.backend.set_floatx(floatx)
+    keras.config.set_dtype_policy(policy)

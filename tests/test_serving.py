@@ -508,3 +508,20 @@ def test_tutorial_smoke(tmp_path, capsys):
     assert (tmp_path / "diabetes" / "1" / "saved_model.pb").exists()
     assert "docker run -p 8501:8501" in printed and f"source={export_base}" in printed
     assert "tensorflow/serving" in printed and "curl" in printed and "request.json" in printed
+
+
+def test_inputs_are_served_in_keras_float_type(float64_keras, tmp_path):
+    """Under floatx float64 Keras feeds the model float64 inputs; the signature took float32 and
+    rounded them (1e8 + 1, 1e8 + 2 and 1e8 + 3 were served one output)."""
+    x = np.random.default_rng(0).normal(size=(32, 1))
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(1e-2, num_examples=32, seed=1),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.5))
+    model.fit(x, 2 * x, batch_size=8, epochs=1, verbose=0)
+    serving.export(model, tmp_path / "f64", num_samples=2, outputs=("samples",))
+    seeded = tf.saved_model.load(str(tmp_path / "f64")).signatures["seeded"]
+    inputs = np.array([[1e8 + 1.0], [1e8 + 2.0], [1e8 + 3.0]])
+    samples = seeded(inputs=tf.constant(inputs), seed=tf.constant([1, 2], tf.int64))["samples"]
+    steps = np.diff(samples.numpy()[:, 0, 0])        # one weight sample: w (x + 1) - w x = w
+    assert steps.dtype == np.float64 and np.all(np.abs(steps) > 0)
+    np.testing.assert_allclose(steps[0], steps[1], rtol=1e-6)

@@ -262,7 +262,8 @@ def _fresh_seed():
 
 
 def _tensor_specs(model):
-    """The ``inputs`` spec (float32, as the Keras data adapter feeds) and the output spec of ``model``."""
+    """The ``inputs`` spec (Keras's float type, as its data adapter feeds) and the output spec of
+    ``model``."""
     try:
         shape = (None,) + tuple(model.input_shape[1:])
         output = model.compute_output_spec(keras.KerasTensor(shape))
@@ -271,7 +272,7 @@ def _tensor_specs(model):
                          f"shape (`model.input_shape`): {error}") from error
     if not isinstance(output, keras.KerasTensor):
         raise ValueError(f"tfnng.serving.export needs a model with one output tensor, got {output}.")
-    return (tf.TensorSpec(shape, tf.float32, name="inputs"),
+    return (tf.TensorSpec(shape, keras.config.floatx(), name="inputs"),
             tf.TensorSpec(output.shape, output.dtype))
 
 
