@@ -207,6 +207,33 @@ def small_trained_optimizer(**kwargs):
     return net, optimizer
 
 
+@pytest.mark.parametrize("kl_clip", [None, 1e-6])
+def test_a_float64_mean_step_is_exact_in_float64(kl_clip, float64_keras):
+    """NNG Alg. 2's mean step M <- M - alpha [A^g]^-1 (G + gamma_in W) [S^g]^-1, with the KL-clipped
+    alpha of App. C.2 eq. 26 when ``kl_clip`` is set. The step size was computed in float32: a
+    float64 model's step was off by 1.5e-8 relative (alpha = 0.1)."""
+    keras.utils.set_random_seed(2)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 2))
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=20, stats_every=1,
+                                           inverse_every=1, kl_clip=kl_clip, seed=2)
+    capture = tfnng.curvature.capture.LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    loss = tfnng.losses.GaussianNLL(0.5)
+    _, _, grads, captured = tfnng.models.gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    before = np.vstack([net.layers[0].kernel.numpy(), net.layers[0].bias.numpy()[None]])
+    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+    block = optimizer._blocks[0]
+    v = np.vstack([grads[0].numpy(), grads[1].numpy()[None]]) + before / 20   # gamma_in = 1/(N eta)
+    direction = block.state["a_inv"].numpy() @ v @ block.state["s_inv"].numpy()
+    alpha = 0.1 if kl_clip is None else min(0.1, np.sqrt(kl_clip / np.sum(direction * v)))
+    assert kl_clip is None or alpha < 0.1                               # the clip is active
+    after = np.vstack([optimizer.posterior_mean(net.layers[0].kernel).numpy(),
+                       optimizer.posterior_mean(net.layers[0].bias).numpy()[None]])
+    np.testing.assert_allclose(after - before, -alpha * direction, rtol=1e-12)
+
+
 def test_sampling_uses_gamma_in_and_the_step_gamma_in_plus_gamma_ex():
     net, optimizer = small_trained_optimizer(learning_rate=0.01, extrinsic_damping=0.3,
                                              inverse_every=1, prior_variance=0.5)

@@ -27,8 +27,8 @@ and each update ``k`` (counted from 0) does, in this order:
    ``gamma = gamma_in + gamma_ex`` for the mean step and ``[A^gamma_in]^-1/2``, ``[S^gamma_in]^-1/2``
    for sampling (Alg. 2 uses gamma_in only for sampling);
 3. mean step with ``V_l = G_l + gamma_in W_l`` (``G_l`` the gradient of the mean loss at the sample
-   ``W_l``; Alg. 2's ``V_l`` is ``-N`` times that in the paper's ascent form with per-example
-   log-likelihood gradients):
+   ``W_l``; Alg. 2's ``V_l``, in the paper's ascent form with the batch mean of the log-likelihood
+   gradients, is minus that):
    ``m_l <- beta_1 m_l + (1 - beta_1) V_l`` (only with ``momentum = beta_1 > 0``; Alg. 2 has none),
    ``M_l <- M_l - alpha [A^gamma]^-1 (m_l / (1 - beta_1^t)) [S^gamma]^-1``;
 4. a fresh sample ``W_l = M_l + sqrt(lambda/N) [A^gamma_in]^-1/2 E_l [S^gamma_in]^-1/2`` is written
@@ -224,12 +224,12 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     @property
     def kl_clip_threshold(self):
         """``c_k = c_0 zeta^j`` of the KL-clipped step size (App. C.2, eq. 26) for the next update,
-        ``j = update_count // kl_clip_decay_steps`` (float32 tensor); None without ``kl_clip``."""
+        ``j = update_count // kl_clip_decay_steps`` (float64 tensor); None without ``kl_clip``."""
         if self.kl_clip is None:
             return None
-        exponent = (tf.constant(0.0) if self.kl_clip_decay_steps is None or not self.built else
-                    tf.cast(self._update_count // self.kl_clip_decay_steps, tf.float32))
-        return self.kl_clip * tf.pow(tf.constant(self.kl_clip_decay, tf.float32), exponent)
+        exponent = (tf.constant(0.0, tf.float64) if self.kl_clip_decay_steps is None or not self.built
+                    else tf.cast(self._update_count // self.kl_clip_decay_steps, tf.float64))
+        return self.kl_clip * tf.pow(tf.constant(self.kl_clip_decay, tf.float64), exponent)
 
     # ---------------------------------------------------------------------------------- state
     def build(self, variables):
@@ -570,10 +570,11 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             out = _kron.blktri_precondition(self._chain_cache(chain, "step"),
                                             [moments[id(b)] for b in chain])
             directions.update({id(b): d for b, d in zip(chain, out)})
-        lr = tf.cast(learning_rate, tf.float32)
+        # The step size in float64: a float32 alpha = 0.1 is off by 1.5e-8, which a float64 model sees.
+        lr = tf.cast(learning_rate, tf.float64)
         if self.kl_clip is not None:
-            fisher_norm = tf.add_n([tf.reduce_sum(tf.cast(directions[id(b)] * moments[id(b)],
-                                                          tf.float32)) for b in blocks])
+            fisher_norm = tf.add_n([tf.cast(tf.reduce_sum(directions[id(b)] * moments[id(b)]),
+                                            tf.float64) for b in blocks])
             c = self.kl_clip_threshold
             lr = tf.minimum(lr, tf.sqrt(c / tf.maximum(fisher_norm, 1e-30)))
         for block in blocks:

@@ -288,8 +288,10 @@ def covariance_root(low_rank, diagonal):
     App. C.4). ``R`` itself is symmetric only when ``d`` is constant. Alg. 3 builds the L x L
     matrix K from Cholesky factors of ``V^T V``, which requires U of full column rank; here K comes
     from the eigendecomposition ``V^T V = W diag(s) W^T`` as
-    ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``, the same
-    matrix, well defined for rank-deficient U (e.g. zero columns at initialisation). The factor
+    ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``: the same matrix as Alg. 3's once its
+    ``K = (C + V^T V)^-1`` is read as ``(C^-1 + V^T V)^-1`` (as printed, a scalar V^T V = 3 gives
+    the variance 0.01 instead of 1/4), and well defined for rank-deficient U (e.g. zero columns at
+    initialisation). The factor
     ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
     inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
