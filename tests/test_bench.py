@@ -298,6 +298,14 @@ def test_speed_runs_without_warm_up_steps():
     assert rows[0]["trained"] and rows[0]["ms_per_step"] > 0
 
 
+def test_logreg_references_agree_with_slang_table_1():
+    """Australian's full-Gaussian exact log-loss was copied as 0.339, the "Full Hess." column."""
+    from tfnng.bench import logreg
+    for dataset, columns in logreg.README_PUBLISHED.items():
+        for column, (log_loss, _) in columns.items():
+            assert log_loss == logreg.SLANG_TABLE_1[dataset][column][1], (dataset, column)
+
+
 def test_result_helpers():
     mean, se = _results.mean_and_standard_error([1.0, 2.0, 3.0])
     assert mean == pytest.approx(2.0) and se == pytest.approx(1.0 / math.sqrt(3.0))
@@ -313,6 +321,32 @@ def test_result_helpers():
     assert len(lines) == 3 and lines[0].index("long") == lines[2].index("1")
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_records_count_an_untracked_module_of_the_package_as_a_change(tmp_path, monkeypatch):
+    """An untracked file inside tfnng/ (new code) was not reported; one elsewhere (results) is not
+    code. The record also names the CPU model and the thread settings the timings depend on."""
+    package = tmp_path / "tfnng"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    monkeypatch.setattr(tfnng, "__file__", str(package / "__init__.py"))
+    assert _results.code_version()["uncommitted_changes"] is False
+    (tmp_path / "results.json").write_text("{}")
+    assert _results.code_version()["uncommitted_changes"] is False
+    (package / "new_method.py").write_text("")
+    assert _results.code_version()["uncommitted_changes"] is True
+    machine = _results.machine_info()
+    assert set(machine["threads"]) == {"TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"}
+    if Path("/proc/cpuinfo").exists():
+        assert machine["processor"]
+
+
 def test_uci_quick_run_on_yacht(tmp_path):
     if not (UCI_DIR / "yacht").is_dir():
         pytest.skip(f"UCI benchmark data not found at {UCI_DIR}")
@@ -321,6 +355,7 @@ def test_uci_quick_run_on_yacht(tmp_path):
                         "--method", "adam,noisy_adam", "--out", str(out))
 
     assert "NNG-FFG (NNG Table 1)" in stdout and "MC dropout" in stdout
+    assert "0.67 ± 0.05" in stdout and "0.670 ± 0.050" not in stdout   # published to 2 decimals
     record = json.loads(out.read_text())
     assert RECORD_KEYS <= set(record) and record["task"] == "uci"
     assert record["machine"]["cpu_count"] >= 1 and record["settings"]["quick"] is True

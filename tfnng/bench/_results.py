@@ -115,8 +115,9 @@ def format_mean_se(mean, se, digits=3):
 
 
 def code_version():
-    """tfnng's version and, when it runs from a git checkout, the commit and whether tracked files
-    differ from it (None where git or the checkout is not available)."""
+    """tfnng's version and, when it runs from a git checkout, the commit and whether the code differs
+    from it: a tracked file changed, or an untracked file in the package (None where git or the
+    checkout is not available)."""
     import tfnng
 
     root = Path(tfnng.__file__).resolve().parents[1]
@@ -130,26 +131,43 @@ def code_version():
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"tfnng": tfnng.__version__, "commit": commit,
-            "uncommitted_changes": None if changes is None else bool(changes)}
+    changes = None
+    if commit:
+        tracked = git("status", "--porcelain", "--untracked-files=no")
+        untracked = git("ls-files", "--others", "--exclude-standard", "--", "tfnng")
+        if tracked is not None and untracked is not None:
+            changes = bool(tracked or untracked)
+    return {"tfnng": tfnng.__version__, "commit": commit, "uncommitted_changes": changes}
 
 
 def machine_info():
-    """Platform, Python, CPU count and TensorFlow/Keras versions of this process."""
+    """Platform, CPU model and count, Python, TensorFlow/Keras versions and TensorFlow's thread
+    settings of this process."""
     import keras
     import tensorflow as tf
 
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": platform.processor() or _cpu_model(),
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
+        "threads": {name: os.environ.get(name)
+                    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")},
     }
+
+
+def _cpu_model():
+    """The CPU's model name from /proc/cpuinfo (Linux, where ``platform.processor()`` is empty)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def _jsonable(value):

@@ -447,8 +447,9 @@ def _table_rows(summaries):
                          _results.format_mean_se(s["rmse"], s["rmse_se"]),
                          _results.format_mean_se(s["test_ll"], s["test_ll_se"]), f"{s['seconds']:.0f}"])
         for label, (rmse, rmse_se, ll, ll_se) in _references(dataset).items():
-            rows.append([dataset, label, "", "", "", _results.format_mean_se(rmse, rmse_se),
-                         _results.format_mean_se(ll, ll_se), ""])
+            digits = 2 if label.startswith("MC dropout") else 3     # as published
+            rows.append([dataset, label, "", "", "", _results.format_mean_se(rmse, rmse_se, digits),
+                         _results.format_mean_se(ll, ll_se, digits), ""])
     return rows
 
 
