@@ -270,7 +270,7 @@ def _same_batch(y_true, y_pred, name):
     if y_true.shape[0] is not None and y_pred.shape[0] is not None:
         return y_true
     return checked(y_true, tf.equal(tf.shape(y_true)[0], tf.shape(y_pred)[0]),
-                    f"{name}: y_true and y_pred have different numbers of examples.")
+                   f"{name}: y_true and y_pred have different numbers of examples.")
 
 
 @keras.saving.register_keras_serializable(package="tfnng")
@@ -298,8 +298,8 @@ class CategoricalNLL(LikelihoodLoss):
         if rank == 1:
             if y_true.dtype.is_floating:
                 y_true = checked(y_true, tf.equal(y_true, tf.round(y_true)),
-                                  "CategoricalNLL: class ids given as floats must be integral (soft "
-                                  "labels are (batch, K) probability vectors).")
+                                 "CategoricalNLL: class ids given as floats must be integral (soft "
+                                 "labels are (batch, K) probability vectors).")
             ids = _same_batch(tf.cast(y_true, tf.int32), logits, "CategoricalNLL")
             return "ids", checked(
                 ids, (ids >= 0) & (ids < tf.shape(logits)[-1]),
@@ -380,7 +380,7 @@ class BernoulliNLL(LikelihoodLoss):
             )
         y_true = _same_batch(y_true, logits, "BernoulliNLL")
         y_true = checked(y_true, (y_true >= 0) & (y_true <= 1),
-                          "BernoulliNLL: y_true must lie in [0, 1] (labels 0 and 1, or probabilities).")
+                         "BernoulliNLL: y_true must lie in [0, 1] (labels 0 and 1, or probabilities).")
         ce = tf.nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=logits)
         return -tf.squeeze(ce, axis=-1)
 
