@@ -194,6 +194,41 @@ def test_float32_marginal_variances_survive_a_dominant_low_rank_part(diagonal):
     np.testing.assert_allclose(got.numpy(), exact, rtol=1e-3)
 
 
+@pytest.mark.parametrize("diagonal", [1e-2, 1e-4, 1e-6])
+def test_float32_fast_inverse_survives_a_dominant_low_rank_part(diagonal):
+    """SLANG's mean step along range(U) where U U^T >> diag d: Woodbury's two terms cancel; in
+    float32 the solve was off by 0.32 of its size at eigenvalues of U^T d^-1 U of 9e6 (diverging
+    SLANG at large N)."""
+    rng = np.random.default_rng(0)
+    u = rng.normal(size=(3, 3)) * 30.0
+    d = np.full(3, diagonal)
+    g = u @ np.array([1.0, -2.0, 0.5])
+    exact = np.linalg.solve(u @ u.T + np.diag(d), g)
+    got = low_rank.fast_inverse(tf.constant(u, tf.float32), tf.constant(d, tf.float32),
+                                tf.constant(g, tf.float32))
+    assert got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), exact, rtol=1e-4)
+
+
+def test_float32_fast_sample_error_stays_within_its_documented_bound():
+    """fast_sample applies its root in the inputs' dtype: along an eigenvector of U^T d^-1 U with
+    eigenvalue s its standard deviation carries a relative error of a few eps sqrt(s) (its
+    docstring). The whitened covariance ``C^T R R^T C`` (``P = C C^T``) must be I up to that bound.
+    With ``W c W^T`` formed in float32 the error was 0.71 here (rounding amplified by the spread of
+    the eigenvalues, 1e3)."""
+    rng = np.random.default_rng(1)
+    u, d = rng.normal(size=(3, 3)) * 30.0, np.full(3, 1e-7)
+    precision = u @ u.T + np.diag(d)
+    s_max = np.linalg.eigvalsh(u.T @ u / 1e-7).max()
+    root = low_rank.fast_sample(tf.constant(u, tf.float32), tf.constant(d, tf.float32),
+                                tf.eye(3)).numpy().astype(np.float64)
+    factor = np.linalg.cholesky(precision)
+    stddevs = np.sqrt(np.linalg.eigvalsh(factor.T @ root @ root.T @ factor))
+    eps = np.finfo(np.float32).eps
+    assert s_max > 1e9
+    np.testing.assert_allclose(stddevs, 1.0, atol=4 * eps * np.sqrt(s_max))
+
+
 def test_precision_operator_is_the_dense_precision():
     u, d = factors()
     operator = low_rank.precision_operator(u, d)

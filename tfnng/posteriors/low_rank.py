@@ -259,21 +259,35 @@ def fast_inverse(low_rank, diagonal, vectors):
 
     ``vectors`` is a (D,) vector or a (D, K) matrix of K vectors. The L x L capacitance matrix
     ``I + U^T d^-1 U`` of Alg. 2, line 1 is factorised by Cholesky instead of inverted.
+
+    Computed in float64 whatever the inputs' dtype (the result is cast back to the vectors' dtype):
+    along range(U) the two terms ``g/d`` and ``d^-1 U C^-1 U^T d^-1 g`` nearly cancel where
+    ``U U^T >> diag d`` (large N, L near D), and in float32 the result lost its components there
+    (relative error ~1e-7 x the eigenvalues of ``U^T d^-1 U``: 0.3 at 9e6), which made SLANG's mean
+    steps diverge.
     """
     matrix, squeeze = _linalg.as_matrix(vectors)
+    dtype = matrix.dtype
+    low_rank, diagonal, matrix = (tf.cast(t, tf.float64) for t in (low_rank, diagonal, matrix))
     scaled = low_rank / diagonal[:, None]
     chol = _capacitance_cholesky(scaled, low_rank)
-    result = matrix / diagonal[:, None] - scaled @ tf.linalg.cholesky_solve(
-        chol, tf.transpose(scaled) @ matrix)
+    result = tf.cast(matrix / diagonal[:, None] - scaled @ tf.linalg.cholesky_solve(
+        chol, tf.transpose(scaled) @ matrix), dtype)
     return result[:, 0] if squeeze else result
 
 
 def _root_terms(low_rank, diagonal):
     """``(d^{-1/2}, V, W, c)`` with ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T`` and
-    ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``: the covariance root is ``d^{-1/2} (I - V W c W^T V^T)``."""
+    ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``: the covariance root is ``d^{-1/2} (I - V W c W^T V^T)``.
+
+    W and c are float64: ``V^T V``, its eigendecomposition and the L x L products with them are
+    taken in float64. Where ``U U^T >> diag d`` the coefficients c span the ratio of the largest to
+    the smallest s, and in float32 the rounding of ``W c W^T`` (amplified by that ratio) put the
+    standard deviation along the best-determined direction off by 71% at s ~ 1e11."""
     inv_sqrt = tf.math.rsqrt(diagonal)
     scaled = low_rank * inv_sqrt[:, None]
-    values, vectors = tf.linalg.eigh(tf.matmul(scaled, scaled, transpose_a=True))
+    wide = tf.cast(scaled, tf.float64)
+    values, vectors = tf.linalg.eigh(tf.matmul(wide, wide, transpose_a=True))
     root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
     return inv_sqrt, scaled, vectors, 1.0 / (root * (1.0 + root))
 
@@ -297,7 +311,8 @@ def covariance_root(low_rank, diagonal):
     inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
     correction = tf.linalg.LinearOperatorLowRankUpdate(
         tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=diagonal.dtype),
-        scaled @ vectors, diag_update=-coefficients, is_self_adjoint=True,
+        scaled @ tf.cast(vectors, scaled.dtype), diag_update=-tf.cast(coefficients, scaled.dtype),
+        is_self_adjoint=True,
         is_positive_definite=True)
     return tf.linalg.LinearOperatorComposition(
         [tf.linalg.LinearOperatorDiag(inv_sqrt, is_positive_definite=True), correction])
@@ -306,12 +321,16 @@ def covariance_root(low_rank, diagonal):
 def fast_sample(low_rank, diagonal, standard_normal):
     """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4):
     ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - V (K (V^T eps)))``. Cost O(D L^2 +
-    L^3 + D L S) for S draws (``standard_normal`` of shape (D,) or (D, S))."""
+    L^3 + D L S) for S draws (``standard_normal`` of shape (D,) or (D, S)). Applied in the inputs'
+    dtype (the L x L eigenproblem in float64): along an eigenvector of ``U^T d^-1 U`` with
+    eigenvalue s the standard deviation ``1 / sqrt(d (1 + s))`` comes with a relative rounding
+    error of a few ``eps sqrt(s)`` (float32: 0.2% at s = 1e9, 6% at s = 1e11), the resolution
+    of a float32 draw whose entries are of the size ``1 / sqrt(d)``."""
     matrix, squeeze = _linalg.as_matrix(standard_normal)
     inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
-    small = tf.matmul(vectors * coefficients, vectors, transpose_b=True)      # K, (L, L)
-    result = inv_sqrt[:, None] * (matrix - scaled @ (small @ tf.matmul(scaled, matrix,
-                                                                          transpose_a=True)))
+    projected = tf.cast(tf.matmul(scaled, matrix, transpose_a=True), tf.float64)   # V^T eps
+    mixed = vectors @ (coefficients[:, None] * tf.matmul(vectors, projected, transpose_a=True))
+    result = inv_sqrt[:, None] * (matrix - scaled @ tf.cast(mixed, scaled.dtype))  # K = W c W^T
     return result[:, 0] if squeeze else result
 
 
