@@ -385,3 +385,34 @@ def test_a_layer_without_the_batch_on_its_first_axis_is_refused(fisher, static_b
             tf.TensorSpec((None, 3, 2), tf.float32), tf.TensorSpec((None,), tf.int64)])
         with pytest.raises(tf.errors.InvalidArgumentError, match="batch on the first axis"):
             traced(tf.constant(x), tf.constant(y))
+
+
+@pytest.mark.parametrize("case", ["dense", "dense_sequence", "dense_no_bias"]
+                         + [f"conv{i}" for i in range(len(CONV_CASES))])
+@pytest.mark.parametrize("values", ["random", "ones"])
+def test_example_gradient_norm_bounds_hold_and_are_tight_for_aligned_inputs(case, values):
+    """The non-finite guard's bound ``b_n >= ||DW_n||_F`` (kronecker.example_gradient_norm_bounds)
+    against each example's weight gradient formed from its patches. With constant inputs and
+    pre-activation gradients a stride-1 convolution's patches all align, and the bound (with its
+    ``kh kw`` factor for values shared by overlapping patches) is reached up to the padded border."""
+    if case.startswith("conv"):
+        config = CONV_CASES[int(case[4:])]
+        layer = keras.layers.Conv2D(dtype="float64", **config)
+        input_shape = (6, 5, 2)
+    else:
+        layer = keras.layers.Dense(3, use_bias=case != "dense_no_bias", dtype="float64")
+        input_shape = (4, 2) if case == "dense_sequence" else (5,)
+    output = layer(keras.Input(input_shape, dtype="float64"))
+    [spec] = cap.LayerCapture(keras.Model(layer.input, output)).specs
+    rng = np.random.default_rng(0)
+    shape_x, shape_g = (3,) + input_shape, (3,) + tuple(output.shape[1:])
+    x = np.ones(shape_x) if values == "ones" else rng.normal(size=shape_x)
+    ds = np.ones(shape_g) if values == "ones" else rng.normal(size=shape_g)
+
+    per_example = tfnng.curvature.per_example.gradients_from_rows(
+        kfac_factors.activation_rows(spec, x), kfac_factors.gradient_rows(spec, ds)).numpy()
+    norms = np.sqrt(np.sum(per_example ** 2, axis=(1, 2)))
+    bounds = kfac_factors.example_gradient_norm_bounds(spec, x, ds).numpy()
+    assert np.all(norms <= bounds * (1 + 1e-12))
+    if values == "ones" and case in ("dense", "dense_sequence", "dense_no_bias", "conv0"):
+        np.testing.assert_allclose(norms, bounds, rtol=0.3 if case == "conv0" else 1e-12)

@@ -276,3 +276,39 @@ def test_nan_in_kfac_curvature_statistics_never_reaches_the_factors(optimizer_cl
         assert all(np.isfinite(v.numpy()).all() for v in net.trainable_variables)
         curvature_step(net, capture, optimizer, x[16:], y[16:])          # and training goes on
         assert int(optimizer._update_count.numpy()) == 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tfnng.optimizers.VOGN(1e-3, num_examples=1000, fisher="empirical", seed=0),
+    lambda: tfnng.optimizers.SLANG(1e-3, num_examples=1000, rank=2, fisher="empirical", seed=0),
+    lambda: tfnng.optimizers.NoisyNaturalGradient(1e-3, num_examples=1000, fisher="empirical",
+                                                  seed=0),
+    lambda: tfnng.optimizers.NoisyAdam(1e-3, num_examples=1000, fisher="empirical", seed=0),
+], ids=["vogn", "slang", "nng_full", "noisy_adam"])
+def test_overflowing_per_example_products_are_skipped(make):
+    """One example with inputs of 1e10: its inputs (1e20 squared) and pre-activation gradients
+    (~7e24 squared) and the batch gradient (~4e37 squared) are finite, but its per-example
+    gradient's square (~7e44) is not. The squared per-example gradients put Inf into VOGN's and
+    NoisyAdam's curvature (standard deviation 0, mean frozen for good), and NaN into NNG-full's
+    factor; the step must be skipped like any non-finite statistic, and training go on."""
+    x, y = regression_data(64)
+    x = np.concatenate([x, x[:, :1]], axis=1)
+    outlier = x.copy()
+    outlier[0] = 1e10
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    model = tfnng.BayesianModel(net)
+    optimizer = make()
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(1.0))
+    model.train_on_batch(x, y)
+    kernel = net.layers[0].kernel
+    mean = optimizer.posterior_mean(kernel).numpy()
+    before = posterior_state(optimizer)
+    model.train_on_batch(outlier, y)
+    assert optimizer.skipped_updates == 1
+    assert_same_state(before, posterior_state(optimizer), ignore=SKIP_CHANGES)
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    stddev = optimizer.posterior_stddev(kernel).numpy()
+    assert np.all(np.isfinite(stddev)) and np.all(stddev > 0)
+    assert np.all(optimizer.posterior_mean(kernel).numpy() != mean)

@@ -31,6 +31,7 @@ matter for NNG because the damping split pi (eq. 13) compensates exactly.
 
 import tensorflow as tf
 
+from tfnng._dtypes import at_least_float32
 from tfnng.curvature.capture import CONV2D
 
 
@@ -80,6 +81,30 @@ def gradient_rows(spec, preactivation_grads):
     if spec.kind == CONV2D:
         g = _to_channels_last(spec.layer, g)
     return tf.cast(_positions_rows(g, g.shape[-1]), spec.kernel.dtype)
+
+
+def example_gradient_norm_bounds(spec, inputs, preactivation_grads):
+    """Upper bounds ``b_n >= ||DW_n||_F`` on each example's homogeneous weight gradient, shape
+    ``(B,)``, in at least float32, without forming patches or per-example gradients.
+
+    ``||DW_n|| <= sum_t ||a_nt|| ||Ds_nt|| <= sqrt(sum_t ||a_nt||^2) sqrt(sum_t ||Ds_nt||^2)``
+    (triangle and Cauchy-Schwarz inequalities), and ``sum_t ||a_nt||^2 <= kh kw ||x_n||^2 + |T|``
+    for a Conv2D (an input value lies in at most ``kh kw`` patches; ``|T|`` homogeneous 1s when the
+    layer has a bias), ``||x_n||^2 + |T|`` for a Dense layer. Per-example squared gradients and
+    their Gram matrices are bounded by ``b_n^2`` and ``b_n b_k``: they are finite when the sum of
+    ``b_n^2`` is, although they can overflow where ``x`` and ``Ds`` themselves do not.
+    """
+    inputs = at_least_float32(tf.convert_to_tensor(inputs))
+    grads = tf.cast(at_least_float32(tf.convert_to_tensor(preactivation_grads)), inputs.dtype)
+    input_norms = tf.reduce_sum(tf.square(tf.reshape(inputs, [tf.shape(inputs)[0], -1])), axis=1)
+    grad_rows = tf.reshape(grads, [tf.shape(grads)[0], -1])
+    if spec.kind == CONV2D:
+        kh, kw = spec.layer.kernel_size
+        input_norms *= kh * kw
+    if spec.has_bias:
+        positions = tf.cast(tf.shape(grad_rows)[1], inputs.dtype) / spec.weight_shape[1]
+        input_norms += positions
+    return tf.sqrt(input_norms) * tf.sqrt(tf.reduce_sum(tf.square(grad_rows), axis=1))
 
 
 def factors(spec, inputs, preactivation_grads):

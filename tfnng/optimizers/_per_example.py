@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfnng import curvature as _curvature
 from tfnng._xla import checked
+from tfnng.curvature import kronecker as _rows
 from tfnng.curvature import per_example as _per_example
 from tfnng.optimizers.base import CurvatureConsumer, NoisyOptimizer, _finite_float, _non_negative
 
@@ -31,6 +32,23 @@ class PerExampleStatistics:
             for part, variable in (("kernel", spec.kernel), ("bias", spec.bias)):
                 if variable is not None:
                     self._fast_sources[self._get_variable_index(variable)] = (spec, part)
+
+    def _checked_tensors(self, grads, trainable_variables):
+        """The non-finite guard's tensors, and for each captured layer a bound on its per-example
+        gradient norms (:func:`tfnng.curvature.kronecker.example_gradient_norm_bounds`): the
+        squared per-example gradients and their Gram matrices overflow where the inputs and
+        pre-activation gradients they multiply do not (an input of 1e10 in one example)."""
+        tensors = super()._checked_tensors(grads, trainable_variables)
+        records = self._curvature_batch or {}
+        for spec in self._layer_specs or ():
+            record = records.get(spec.name)
+            if getattr(record, "preactivation_grads", None) is not None:
+                tensors.append((
+                    f"the per-example gradients of {spec.name} (its captured inputs times its "
+                    "pre-activation gradients)",
+                    _rows.example_gradient_norm_bounds(spec, record.inputs,
+                                                       record.preactivation_grads)))
+        return tensors
 
     def _layers_without_fast_path(self, variables):
         """Sorted paths of the layers holding Bayesian variables that no fast path covers."""

@@ -192,7 +192,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     inputs, pre-activation and per-example gradients, see :mod:`tfnng.models`) are checked before
     any state changes, by their sums of squares (float32 or wider): a tensor fails when it holds
     NaN or Inf, or values so large that their squares overflow (float32: ``|x|`` of about 1e19),
-    which would otherwise put Inf into the curvature and freeze the posterior there.
+    which would otherwise put Inf into the curvature and freeze the posterior there (optimizers
+    that square per-example gradients also check a bound on their norms,
+    :func:`tfnng.curvature.kronecker.example_gradient_norm_bounds`).
     ``nonfinite="skip"``: the update is skipped as a whole (mean and curvature keep
     their values, a fresh sample is drawn), counted in ``skipped_updates`` and logged as a warning on
     the ``"tfnng"`` logger naming the offending tensors (at the 1st, 2nd, 4th, 8th... skip; not from
