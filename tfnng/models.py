@@ -60,6 +60,8 @@ Hand-written loops use the same pieces through :func:`gradients_and_curvature`::
     optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
 """
 
+import math
+
 import keras
 import tensorflow as tf
 from keras.src.trainers import data_adapters
@@ -272,6 +274,12 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         scaled_loss = loss * loss_scale
         if likelihood_loss is not None:
             likelihood_loss = likelihood_loss * loss_scale
+        # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
+        batch = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0] * _num_replicas(), loss.dtype)
+        # Log-likelihoods are differentiated at about the scale each example's gradient has in
+        # the scaled loss's backward pass (float16 gradients neither underflow nor overflow where
+        # the loss's do), and unscaled in the loss's dtype.
+        example_scale = _power_of_two_near(loss_scale / batch)
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
             _single_likelihood(loss_fn, _TRUE_FISHER)
@@ -283,7 +291,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             log_probs = loss_fn.log_prob(targets, y_pred)
             if weights is not None:
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
-            fisher_ll = tf.reduce_sum(log_probs)
+            fisher_ll = tf.reduce_sum(log_probs) * tf.cast(example_scale, log_probs.dtype)
     records = capture.captured() if capture.specs else {}
     batch_size = tf.shape(tf.nest.flatten(y_pred)[0])[0]
     _check_batch_axes(records, tf.nest.flatten(y_pred)[0].shape[0], batch_size)
@@ -301,10 +309,9 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     due = unwrap_optimizer(optimizer).curvature_due()
     if zeros:
         if requirements.fisher == "true":
-            pre_grads = _gradients_when_due(tape, fisher_ll, zeros, due)
+            pre_grads = [tf.cast(g, loss.dtype) / example_scale
+                         for g in _gradients_when_due(tape, fisher_ll, zeros, due)]
         else:
-            # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
-            batch = tf.cast(batch_size * _num_replicas(), loss.dtype)
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
             # Unscaled in the loss's dtype (float32 also when the activations are float16).
             factor = -batch / loss_scale
@@ -321,8 +328,15 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             record.preactivation_grads = g
     if generic:
         records.update(_generic_records(net, loss_fn, x, targets, generic, due, weights,
-                                        taken=list(records)))
+                                        example_scale, taken=list(records)))
     return loss, y_pred, grads, _gather_over_replicas(records)
+
+
+def _power_of_two_near(scale):
+    """``2^round(log2(scale))``: multiplying by it is exact, so a log-likelihood differentiated at
+    this scale and unscaled gives the same bits as unscaled, wherever nothing underflows."""
+    exponent = tf.round(tf.math.log(tf.cast(scale, tf.float64)) / math.log(2.0))
+    return tf.cast(tf.pow(tf.constant(2.0, tf.float64), exponent), scale.dtype)
 
 
 def _check_batch_axes(records, static_batch, batch_size):
@@ -359,17 +373,20 @@ def _generic_variables(capture, variables):
     return [v for v in variables if id(v) not in owned and not _markers.is_point_estimate(v)]
 
 
-def _generic_records(net, loss_fn, x, targets, variables, due, weights, taken):
+def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_scale, taken):
     """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``),
-    scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``."""
+    scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``;
+    differentiated at ``example_scale`` (a loss scale over the batch size) and unscaled."""
     _single_likelihood(loss_fn, "Evaluating each example's log-likelihood for the per-example "
                                 "gradients of layers without a fast path (anything but Dense/Conv2D)")
 
     def log_likelihood(y_true, y_pred):
-        return loss_fn.log_prob(y_true, y_pred)
+        log_probs = loss_fn.log_prob(y_true, y_pred)
+        return log_probs * tf.cast(example_scale, log_probs.dtype)
 
     def compute():
-        return _per_example.per_example_gradients(net, log_likelihood, x, targets, variables)
+        return [g / tf.cast(example_scale, g.dtype) for g in _per_example.per_example_gradients(
+            net, log_likelihood, x, targets, variables)]
 
     gradients = tf.cond(due, compute,
                         lambda: [tf.zeros((tf.shape(targets)[0],) + tuple(v.shape), v.dtype)
