@@ -342,7 +342,9 @@ class IVON(NoisyOptimizer):
         h <- beta_2 h + (1 - beta_2) hhat + 0.5 (1 - beta_2)^2 (h - hhat)^2 / (h + delta)
         mu <- mu - alpha clip((gbar / (1 - beta_1^t) + delta mu) / (h + delta), clip_radius)
 
-    The third term of the h update keeps h positive (IVON's Riemannian correction).
+    The third term of the h update (IVON's Riemannian correction) keeps the precision's ``h + delta``
+    positive: one update at most halves it. h itself can turn negative (from h < delta), and a
+    weight's variance then exceeds the prior's ``1 / (ess delta)``.
 
     Args:
         beta_1, beta_2: the averaging constants above (defaults 0.9 and 0.99999); ``beta1`` and
