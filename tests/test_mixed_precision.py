@@ -165,9 +165,9 @@ def test_keras_loss_scale_wrapper_is_seen_through(tmp_path):
     assert np.ptp(served["samples"].numpy(), axis=1).max() > 0          # posterior samples served
 
 
-def captured_s_traces(policy, fisher, noise_stddev, weights=None):
+def captured_s_traces(policy, fisher, noise_stddev, weights=None, loss_scaled=True):
     """tr(S) of each layer from one ``gradients_and_curvature`` pass at Keras's default loss scale
-    (mixed_float16) or none (float32); same weights, data and target seed."""
+    (mixed_float16 with ``loss_scaled``) or none; same weights, data and target seed."""
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
@@ -181,8 +181,8 @@ def captured_s_traces(policy, fisher, noise_stddev, weights=None):
         capture = tfnng.curvature.capture.LayerCapture(net)
         optimizer.prepare_curvature(capture.specs)
         optimizer.build(net.trainable_variables)
-        compiled = (keras.optimizers.LossScaleOptimizer(optimizer) if policy == "mixed_float16"
-                    else optimizer)
+        compiled = (keras.optimizers.LossScaleOptimizer(optimizer)
+                    if policy == "mixed_float16" and loss_scaled else optimizer)
         rng = np.random.default_rng(1)
         x = rng.normal(size=(256, 10)).astype("float32")
         y = (noise_stddev * rng.normal(size=(256, 1))).astype("float32")
@@ -205,6 +205,47 @@ def test_small_log_likelihood_gradients_are_loss_scaled_in_both_fishers(fisher):
     weights, reference = captured_s_traces("float32", fisher, 1e7)
     _, mixed = captured_s_traces("mixed_float16", fisher, 1e7, weights)
     np.testing.assert_allclose(mixed, reference, rtol=0.01)
+
+
+def test_without_loss_scaling_the_true_fisher_pass_is_taken_at_scale_one():
+    """A hand-written loop under mixed_float16 with a bare optimizer: the true Fisher's backward pass
+    stays at scale 1 (taken at 1/B it underflowed: S twice the float32 one at a noise standard
+    deviation of 3e4, 81% of the gradients 0)."""
+    weights, reference = captured_s_traces("float32", "true", 3e4)
+    _, mixed = captured_s_traces("mixed_float16", "true", 3e4, weights, loss_scaled=False)
+    np.testing.assert_allclose(mixed, reference, rtol=0.01)
+
+
+def test_an_overflow_of_the_true_fisher_pass_lowers_the_loss_scale():
+    """A net fitting its targets 1000 times tighter than the likelihood's noise: the true Fisher's
+    sampled targets give gradients 1000 times the loss's, and at the loss scale they overflow float16
+    first. The LossScaleOptimizer, growing its scale every 5 finite steps, must see that overflow:
+    unseen, it kept raising the scale and the inner optimizer skipped every update from step ~20."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="tanh"),
+                                keras.layers.Dense(32, activation="tanh"),
+                                keras.layers.Dense(1, dtype="float32")])
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(64, 8)).astype("float32")
+        y = (net(x).numpy() + 1e-3 * rng.normal(size=(64, 1))).astype("float32")
+        inner = tfnng.optimizers.NoisyKFAC(learning_rate=1e-4, num_examples=10 ** 6,
+                                           fisher="true", seed=0)
+        model = tfnng.BayesianModel(net)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            inner, initial_scale=2.0 ** 18, dynamic_growth_steps=5),
+            loss=tfnng.losses.GaussianNLL(1.0))
+        scales = []
+        for _ in range(40):
+            model.train_on_batch(x, y)
+            scales.append(float(model.optimizer.dynamic_scale.numpy()))
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    assert inner.skipped_updates == 0
+    assert int(inner._update_count.numpy()) >= 30
+    assert max(scales) > 2.0 ** 20 and scales[-1] < max(scales) * 4      # grew, then held
 
 
 def noise_precision_fit():

@@ -276,10 +276,14 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             likelihood_loss = likelihood_loss * loss_scale
         # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
         batch = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0] * _num_replicas(), loss.dtype)
-        # Log-likelihoods are differentiated at about the scale each example's gradient has in
-        # the scaled loss's backward pass (float16 gradients neither underflow nor overflow where
-        # the loss's do), and unscaled in the loss's dtype.
-        example_scale = _power_of_two_near(loss_scale / batch)
+        # Under a LossScaleOptimizer the log-likelihoods (true Fisher, generic path) are
+        # differentiated at about the scale each example's gradient has in the scaled loss's
+        # backward pass, so that float16 gradients do not underflow where the loss's do not: the
+        # power of two nearest loss_scale / B (exact), unscaled in the loss's dtype. Their
+        # overflow counts as the step's (below). Otherwise at scale 1.
+        adaptive = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        example_scale = (_power_of_two_near(loss_scale / batch) if adaptive
+                         else tf.ones((), loss.dtype))
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
             _single_likelihood(loss_fn, _TRUE_FISHER)
@@ -326,10 +330,31 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                 pre_grads = [_scale_examples(g, inverse_roots) for g in pre_grads]
         for record, g in zip(records.values(), pre_grads):
             record.preactivation_grads = g
+    scaled_statistics = list(pre_grads) if zeros and requirements.fisher == "true" else []
     if generic:
-        records.update(_generic_records(net, loss_fn, x, targets, generic, due, weights,
-                                        example_scale, taken=list(records)))
+        generic_records = _generic_records(net, loss_fn, x, targets, generic, due, weights,
+                                           example_scale, taken=list(records))
+        scaled_statistics += [r.gradients for r in generic_records.values()]
+        records.update(generic_records)
+    if adaptive and scaled_statistics:
+        grads = _overflow_reported(grads, scaled_statistics)
     return loss, y_pred, grads, _gather_over_replicas(records)
+
+
+def _overflow_reported(grads, statistics):
+    """``grads``, made NaN when a statistic differentiated at the loss scale is not finite: the
+    LossScaleOptimizer, which checks the gradients only, then lowers its scale and skips the step,
+    as for an overflow of the loss's own gradients (it would otherwise raise its scale for ever,
+    and the inner optimizer skip every step)."""
+    finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in statistics]))
+
+    def flagged(g):
+        flag = tf.where(finite, tf.ones((), g.dtype), tf.constant(float("nan"), g.dtype))
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values * flag, g.indices, g.dense_shape)
+        return g * flag
+
+    return [None if g is None else flagged(g) for g in grads]
 
 
 def _power_of_two_near(scale):
