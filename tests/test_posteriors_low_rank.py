@@ -215,7 +215,9 @@ def test_float32_fast_sample_error_stays_within_its_documented_bound():
     eigenvalue s its standard deviation carries a relative error of a few eps sqrt(s) (its
     docstring). The whitened covariance ``C^T R R^T C`` (``P = C C^T``) must be I up to that bound.
     With ``W c W^T`` formed in float32 the error was 0.71 here (rounding amplified by the spread of
-    the eigenvalues, 1e3)."""
+    the eigenvalues, 1e3), and with it formed in float64 but applied through the non-orthogonal
+    ``V = d^-1/2 U``, 0.044; a randomly rotated SLANG-like U with eigenvalues from 1 to 1e9 (D =
+    40) gave 2.9 then."""
     rng = np.random.default_rng(1)
     u, d = rng.normal(size=(3, 3)) * 30.0, np.full(3, 1e-7)
     precision = u @ u.T + np.diag(d)
@@ -227,6 +229,16 @@ def test_float32_fast_sample_error_stays_within_its_documented_bound():
     eps = np.finfo(np.float32).eps
     assert s_max > 1e9
     np.testing.assert_allclose(stddevs, 1.0, atol=4 * eps * np.sqrt(s_max))
+    rng = np.random.default_rng(3)                       # the rotated SLANG-like case
+    q = np.linalg.qr(rng.normal(size=(40, 40)))[0]
+    u = q * np.sqrt(1e-4 * np.logspace(0, 9, 40))
+    u = u @ np.linalg.qr(rng.normal(size=(40, 40)))[0]
+    d = np.full(40, 1e-4)
+    root = low_rank.fast_sample(tf.constant(u, tf.float32), tf.constant(d, tf.float32),
+                                tf.eye(40)).numpy().astype(np.float64)
+    factor = np.linalg.cholesky(u @ u.T + np.diag(d))
+    stddevs = np.sqrt(np.linalg.eigvalsh(factor.T @ root @ root.T @ factor))
+    np.testing.assert_allclose(stddevs, 1.0, atol=4 * eps * np.sqrt(1e9))
 
 
 def test_precision_operator_is_the_dense_precision():

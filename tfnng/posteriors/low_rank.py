@@ -277,19 +277,20 @@ def fast_inverse(low_rank, diagonal, vectors):
 
 
 def _root_terms(low_rank, diagonal):
-    """``(d^{-1/2}, V, W, c)`` with ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T`` and
-    ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``: the covariance root is ``d^{-1/2} (I - V W c W^T V^T)``.
+    """``(d^{-1/2}, Z, c)`` with ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T``, ``Z = V W`` and
+    ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``: the covariance root is ``d^{-1/2} (I - Z c Z^T)``.
 
-    W and c are float64: ``V^T V``, its eigendecomposition and the L x L products with them are
-    taken in float64. Where ``U U^T >> diag d`` the coefficients c span the ratio of the largest to
-    the smallest s, and in float32 the rounding of ``W c W^T`` (amplified by that ratio) put the
-    standard deviation along the best-determined direction off by 71% at s ~ 1e11."""
+    ``V^T V``, its eigendecomposition and ``Z`` are computed in float64 (Z and c are cast back).
+    Z's columns are orthogonal, of norms ``sqrt(s)``, so ``Z c Z^T eps`` adds terms of size at most
+    ``|eps|``; with ``W c W^T`` formed first, float32 rounding was amplified by the spread of the
+    eigenvalues (the standard deviation along the best-determined direction off by 71% at s ~
+    1e11), and applied through the non-orthogonal V by the spread of V's column norms."""
     inv_sqrt = tf.math.rsqrt(diagonal)
-    scaled = low_rank * inv_sqrt[:, None]
-    wide = tf.cast(scaled, tf.float64)
+    wide = tf.cast(low_rank, tf.float64) * tf.cast(inv_sqrt, tf.float64)[:, None]
     values, vectors = tf.linalg.eigh(tf.matmul(wide, wide, transpose_a=True))
     root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
-    return inv_sqrt, scaled, vectors, 1.0 / (root * (1.0 + root))
+    dtype = low_rank.dtype
+    return inv_sqrt, tf.cast(wide @ vectors, dtype), tf.cast(1.0 / (root * (1.0 + root)), dtype)
 
 
 def covariance_root(low_rank, diagonal):
@@ -308,11 +309,10 @@ def covariance_root(low_rank, diagonal):
     initialisation). The factor
     ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
-    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
+    inv_sqrt, rotated, coefficients = _root_terms(low_rank, diagonal)
     correction = tf.linalg.LinearOperatorLowRankUpdate(
         tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=diagonal.dtype),
-        scaled @ tf.cast(vectors, scaled.dtype), diag_update=-tf.cast(coefficients, scaled.dtype),
-        is_self_adjoint=True,
+        rotated, diag_update=-coefficients, is_self_adjoint=True,
         is_positive_definite=True)
     return tf.linalg.LinearOperatorComposition(
         [tf.linalg.LinearOperatorDiag(inv_sqrt, is_positive_definite=True), correction])
@@ -320,17 +320,17 @@ def covariance_root(low_rank, diagonal):
 
 def fast_sample(low_rank, diagonal, standard_normal):
     """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4):
-    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - V (K (V^T eps)))``. Cost O(D L^2 +
-    L^3 + D L S) for S draws (``standard_normal`` of shape (D,) or (D, S)). Applied in the inputs'
-    dtype (the L x L eigenproblem in float64): along an eigenvector of ``U^T d^-1 U`` with
-    eigenvalue s the standard deviation ``1 / sqrt(d (1 + s))`` comes with a relative rounding
-    error of a few ``eps sqrt(s)`` (float32: 0.2% at s = 1e9, 6% at s = 1e11), the resolution
-    of a float32 draw whose entries are of the size ``1 / sqrt(d)``."""
+    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - Z (c (Z^T eps)))`` (``Z = V W``,
+    :func:`_root_terms`). Cost O(D L^2 + L^3 + D L S) for S draws (``standard_normal`` of shape
+    (D,) or (D, S)). Applied in the inputs' dtype (Z is formed in float64): with s_max the
+    largest eigenvalue of ``U^T d^-1 U``, the standard deviations, down to ``1 / sqrt(d (1 +
+    s_max))``, come with relative rounding errors of a few ``eps sqrt(s_max)`` (float32: about 0.2%
+    at s_max = 1e9, 2% at 1e11), the resolution of a draw whose entries are of the size
+    ``1 / sqrt(d)``."""
     matrix, squeeze = _linalg.as_matrix(standard_normal)
-    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
-    projected = tf.cast(tf.matmul(scaled, matrix, transpose_a=True), tf.float64)   # V^T eps
-    mixed = vectors @ (coefficients[:, None] * tf.matmul(vectors, projected, transpose_a=True))
-    result = inv_sqrt[:, None] * (matrix - scaled @ tf.cast(mixed, scaled.dtype))  # K = W c W^T
+    inv_sqrt, rotated, coefficients = _root_terms(low_rank, diagonal)
+    projected = coefficients[:, None] * tf.matmul(rotated, matrix, transpose_a=True)
+    result = inv_sqrt[:, None] * (matrix - rotated @ projected)        # V K V^T = Z c Z^T
     return result[:, 0] if squeeze else result
 
 
