@@ -277,20 +277,19 @@ def fast_inverse(low_rank, diagonal, vectors):
 
 
 def _root_terms(low_rank, diagonal):
-    """``(d^{-1/2}, Z, c)`` with ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T``, ``Z = V W`` and
-    ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``: the covariance root is ``d^{-1/2} (I - Z c Z^T)``.
+    """``(d^{-1/2}, V, W, c)`` in float64 (``d^{-1/2}`` in the inputs' dtype) with
+    ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T`` and ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``:
+    the covariance root is ``d^{-1/2} (I - V W c W^T V^T)``.
 
-    ``V^T V``, its eigendecomposition and ``Z`` are computed in float64 (Z and c are cast back).
-    Z's columns are orthogonal, of norms ``sqrt(s)``, so ``Z c Z^T eps`` adds terms of size at most
-    ``|eps|``; with ``W c W^T`` formed first, float32 rounding was amplified by the spread of the
-    eigenvalues (the standard deviation along the best-determined direction off by 71% at s ~
-    1e11), and applied through the non-orthogonal V by the spread of V's column norms."""
+    Where ``U U^T >> diag d`` the coefficients c span the ratio of the largest to the smallest s
+    and V's columns differ in norm by up to ``sqrt(s_max)``: with ``W c W^T`` or its products with
+    V in float32 the rounding was amplified by those spreads (the standard deviation along the
+    best-determined direction off by 71%, or by a factor 2.9, at s ~ 1e9-1e11)."""
     inv_sqrt = tf.math.rsqrt(diagonal)
     wide = tf.cast(low_rank, tf.float64) * tf.cast(inv_sqrt, tf.float64)[:, None]
     values, vectors = tf.linalg.eigh(tf.matmul(wide, wide, transpose_a=True))
     root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
-    dtype = low_rank.dtype
-    return inv_sqrt, tf.cast(wide @ vectors, dtype), tf.cast(1.0 / (root * (1.0 + root)), dtype)
+    return inv_sqrt, wide, vectors, 1.0 / (root * (1.0 + root))
 
 
 def covariance_root(low_rank, diagonal):
@@ -309,10 +308,12 @@ def covariance_root(low_rank, diagonal):
     initialisation). The factor
     ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
-    inv_sqrt, rotated, coefficients = _root_terms(low_rank, diagonal)
-    correction = tf.linalg.LinearOperatorLowRankUpdate(
-        tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=diagonal.dtype),
-        rotated, diag_update=-coefficients, is_self_adjoint=True,
+    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
+    dtype = inv_sqrt.dtype
+    correction = tf.linalg.LinearOperatorLowRankUpdate(     # Z = V W: orthogonal columns
+        tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=dtype),
+        tf.cast(scaled @ vectors, dtype), diag_update=-tf.cast(coefficients, dtype),
+        is_self_adjoint=True,
         is_positive_definite=True)
     return tf.linalg.LinearOperatorComposition(
         [tf.linalg.LinearOperatorDiag(inv_sqrt, is_positive_definite=True), correction])
@@ -320,17 +321,18 @@ def covariance_root(low_rank, diagonal):
 
 def fast_sample(low_rank, diagonal, standard_normal):
     """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4):
-    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - Z (c (Z^T eps)))`` (``Z = V W``,
-    :func:`_root_terms`). Cost O(D L^2 + L^3 + D L S) for S draws (``standard_normal`` of shape
-    (D,) or (D, S)). Applied in the inputs' dtype (Z is formed in float64): with s_max the
-    largest eigenvalue of ``U^T d^-1 U``, the standard deviations, down to ``1 / sqrt(d (1 +
-    s_max))``, come with relative rounding errors of a few ``eps sqrt(s_max)`` (float32: about 0.2%
-    at s_max = 1e9, 2% at 1e11), the resolution of a draw whose entries are of the size
-    ``1 / sqrt(d)``."""
+    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - V (K (V^T eps)))``,
+    ``K = W c W^T`` (:func:`_root_terms`). Cost O(D L^2 + L^3 + D L S) for S draws
+    (``standard_normal`` of shape (D,) or (D, S)). The correction ``V K V^T eps`` is computed in
+    float64, its difference with eps in the inputs' dtype: with s_max the largest eigenvalue of
+    ``U^T d^-1 U``, the standard deviations, down to ``1 / sqrt(d (1 + s_max))``, come with
+    relative rounding errors of a few ``eps sqrt(s_max)`` (float32: about 0.2% at s_max = 1e9, 2%
+    at 1e11), the resolution of a draw whose entries are of the size ``1 / sqrt(d)``."""
     matrix, squeeze = _linalg.as_matrix(standard_normal)
-    inv_sqrt, rotated, coefficients = _root_terms(low_rank, diagonal)
-    projected = coefficients[:, None] * tf.matmul(rotated, matrix, transpose_a=True)
-    result = inv_sqrt[:, None] * (matrix - rotated @ projected)        # V K V^T = Z c Z^T
+    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
+    projected = tf.matmul(scaled, tf.cast(matrix, tf.float64), transpose_a=True)   # V^T eps
+    mixed = vectors @ (coefficients[:, None] * tf.matmul(vectors, projected, transpose_a=True))
+    result = inv_sqrt[:, None] * (matrix - tf.cast(scaled @ mixed, matrix.dtype))
     return result[:, 0] if squeeze else result
 
 
