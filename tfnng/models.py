@@ -275,7 +275,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         if likelihood_loss is not None:
             likelihood_loss = likelihood_loss * loss_scale
         # The loss is reduced over the global batch (local batch x replicas, Keras's scaling).
-        batch = tf.cast(tf.shape(tf.nest.flatten(y_pred)[0])[0] * _num_replicas(), loss.dtype)
+        batch_size = tf.shape(tf.nest.flatten(y_pred)[0])[0]
+        batch = tf.cast(batch_size * _num_replicas(), loss.dtype)
         # Under a LossScaleOptimizer the log-likelihoods (true Fisher, generic path) are
         # differentiated at about the scale each example's gradient has in the scaled loss's
         # backward pass, so that float16 gradients do not underflow where the loss's do not: the
@@ -297,7 +298,6 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
             fisher_ll = tf.reduce_sum(log_probs) * tf.cast(example_scale, log_probs.dtype)
     records = capture.captured() if capture.specs else {}
-    batch_size = tf.shape(tf.nest.flatten(y_pred)[0])[0]
     _check_batch_axes(records, tf.nest.flatten(y_pred)[0].shape[0], batch_size)
     zeros = [r.zero for r in records.values()]
     if likelihood_loss is not None and zeros:

@@ -254,6 +254,14 @@ def _capacitance_cholesky(scaled, low_rank):
     return tf.linalg.cholesky(capacitance + tf.eye(low_rank.shape[1], dtype=low_rank.dtype))
 
 
+def _float64_woodbury_terms(low_rank, diagonal):
+    """``(d, U / d, chol(I + U^T d^-1 U))`` in float64, for the Woodbury computations that subtract
+    nearly equal numbers where ``U U^T >> diag d`` (:func:`fast_inverse`, :func:`marginal_variances`)."""
+    low_rank, diagonal = tf.cast(low_rank, tf.float64), tf.cast(diagonal, tf.float64)
+    scaled = low_rank / diagonal[:, None]
+    return diagonal, scaled, _capacitance_cholesky(scaled, low_rank)
+
+
 def fast_inverse(low_rank, diagonal, vectors):
     """``(U U^T + diag d)^-1 g`` by the Woodbury identity (SLANG Alg. 2; App. C.3), cost O(D L^2).
 
@@ -268,9 +276,8 @@ def fast_inverse(low_rank, diagonal, vectors):
     """
     matrix, squeeze = _linalg.as_matrix(vectors)
     dtype = matrix.dtype
-    low_rank, diagonal, matrix = (tf.cast(t, tf.float64) for t in (low_rank, diagonal, matrix))
-    scaled = low_rank / diagonal[:, None]
-    chol = _capacitance_cholesky(scaled, low_rank)
+    diagonal, scaled, chol = _float64_woodbury_terms(low_rank, diagonal)
+    matrix = tf.cast(matrix, tf.float64)
     result = tf.cast(matrix / diagonal[:, None] - scaled @ tf.linalg.cholesky_solve(
         chol, tf.transpose(scaled) @ matrix), dtype)
     return result[:, 0] if squeeze else result
@@ -343,9 +350,7 @@ def marginal_variances(low_rank, diagonal):
     from ``1/d`` a number of the same size where ``U U^T >> diag d`` (large N, L near D), and in
     float32 the difference came out wrong in its first digit, or negative."""
     dtype = low_rank.dtype
-    low_rank, diagonal = tf.cast(low_rank, tf.float64), tf.cast(diagonal, tf.float64)
-    scaled = low_rank / diagonal[:, None]
-    chol = _capacitance_cholesky(scaled, low_rank)
+    diagonal, scaled, chol = _float64_woodbury_terms(low_rank, diagonal)
     whitened = tf.linalg.triangular_solve(chol, tf.transpose(scaled), lower=True)
     return tf.cast(1.0 / diagonal - tf.reduce_sum(tf.square(whitened), axis=0), dtype)
 
