@@ -17,6 +17,7 @@ from scipy import stats
 import tfnng
 from tfnng.curvature.capture import LayerCapture
 from tfnng.models import gradients_and_curvature
+from tfnng.posteriors import low_rank as low_rank_posteriors
 
 F64 = "float64"
 N, D, NOISE_VAR, ETA = 100, 3, 0.5, 2.0
@@ -480,6 +481,40 @@ def test_slang_with_full_rank_equals_full_gaussian_vogn():
                                SCALE * np.linalg.inv(precisions[-1]), rtol=1e-6)
     np.testing.assert_allclose(float(optimizer.kl_divergence()), kl_dense(
         expected_means[-1], SCALE * np.linalg.inv(precisions[-1])), rtol=1e-6)
+
+
+@pytest.mark.parametrize("extrinsic_damping", [0.0, GAMMA_EX])
+def test_slang_steps_from_its_weight_noise_and_draws_the_next_sample_from_the_update(
+        extrinsic_damping):
+    """With weight noise, full rank. Each step is the full-Gaussian VOGN step (SLANG eq. 2) at the
+    sample the previous step wrote, and the sample it writes is ``mu + sqrt(lambda/N) R eps`` with
+    R the covariance root of the *updated* precision (Alg. 3; :func:`fast_sample`, checked against
+    dense algebra in test_posteriors_low_rank) and eps the step's own draw. Without extrinsic
+    damping the step and the sample share one float64 factorisation (``inverse_and_sample``),
+    with it they are computed apart: both wirings must do the same."""
+    eps = list(np.random.default_rng(6).normal(size=(STEPS, D)))
+    kwargs = {**common_kwargs(), "extrinsic_damping": extrinsic_damping}
+    optimizer = tfnng.optimizers.SLANG(rank=D, **kwargs)
+    net = linear_net()
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64),
+                     compiled=False)
+    queue = list(eps)
+    optimizer._standard_normal = lambda shape, dtype: tf.constant(queue.pop(0), dtype)
+    mu, precision, w = np.zeros(D), (H0 + GAMMA) * np.eye(D), np.zeros(D)
+    for t, (x, y) in enumerate(reference_batches()):
+        step(tf.constant(x), tf.constant(y))
+        g_i = example_gradients(w, x, y)
+        precision = (1 - BETA) * precision + BETA * (g_i.T @ g_i / B + GAMMA * np.eye(D))
+        mu = mu - LR * np.linalg.solve(precision + extrinsic_damping * np.eye(D),
+                                       -g_i.mean(0) + GAMMA * mu)
+        got_mean = optimizer.posterior_mean(net.trainable_variables[0]).numpy()[:, 0]
+        np.testing.assert_allclose(got_mean, mu, rtol=1e-6, atol=1e-9)
+        u, d = optimizer._low_rank.numpy(), optimizer._diagonal.numpy()
+        np.testing.assert_allclose(u @ u.T + np.diag(d), precision, rtol=1e-6)
+        w = net.trainable_variables[0].numpy()[:, 0]
+        noise = low_rank_posteriors.fast_sample(u, d, eps[t]).numpy()
+        np.testing.assert_allclose(w, got_mean + np.sqrt(SCALE) * noise, rtol=1e-10, atol=1e-12)
+    assert not queue
 
 
 def kl_dense(mean, covariance):

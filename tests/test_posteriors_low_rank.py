@@ -55,6 +55,23 @@ def test_fast_sample_empirical_covariance_matches_dense_inverse():
     np.testing.assert_allclose(draws.mean(axis=1), 0.0, atol=5 * np.sqrt(np.diag(cov).max() / samples))
 
 
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
+def test_inverse_and_sample_equal_the_dense_solve_and_the_covariance_root(dtype):
+    """The shared-factorisation form of a SLANG step: its solve is the dense solve, and its sample
+    is R eps for the root R of the dense-checked test above (R = fast_sample(., I))."""
+    u, d = factors()
+    rng = np.random.default_rng(4)
+    g, eps = rng.normal(size=D), rng.normal(size=D)
+    direction, noise = low_rank.inverse_and_sample(tf.constant(u, dtype), tf.constant(d, dtype),
+                                                   tf.constant(g, dtype), tf.constant(eps, dtype))
+    assert direction.dtype == noise.dtype == dtype
+    rtol = 1e-10 if dtype == tf.float64 else 1e-5
+    np.testing.assert_allclose(direction.numpy(), np.linalg.solve(dense_precision(u, d), g),
+                               rtol=rtol, atol=rtol)
+    root = low_rank.fast_sample(u, d, np.eye(D)).numpy()
+    np.testing.assert_allclose(noise.numpy(), root @ eps, rtol=rtol, atol=rtol)
+
+
 @pytest.mark.parametrize("method", ["exact", "randomized"])
 def test_fast_eig_recovers_top_eigenpairs_of_low_rank_plus_noise(method):
     rng = np.random.default_rng(2)

@@ -175,7 +175,7 @@ def _flat_sampler(optimizer, positions):
 # The families whose sampler the SavedModel reproduces, with the methods that sample: a subclass that
 # overrides one of them samples differently, and its posterior cannot be exported.
 _FAMILY_SAMPLERS = ((NoisyKFAC, ("_write_sample", "_draw", "_draw_blocks", "_sample_blocks")),
-                    (FlatPosteriorOptimizer, ("_write_sample",)),
+                    (FlatPosteriorOptimizer, ("_write_sample", "_assign_sample")),
                     (NoisyOptimizer, ("_write_sample", "_draw")))
 
 

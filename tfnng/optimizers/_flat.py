@@ -24,9 +24,11 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
     Subclasses implement ``_build_posterior(dimension, dtype)``, ``_curvature_statistic(F)`` (the
     per-step curvature estimate from the per-example gradients, the columns of
     ``F = G^T``: a :class:`~tfnng.curvature.per_example.ExampleGradients`; averaged over
-    ``mc_samples`` when it has a fixed shape), ``_update_flat(mean, grad, weight, curvature, lr, beta)`` (returns the
-    new mean), ``sampling_state()`` and ``perturb(state, eps)`` (a draw of ``N(0, P^-1)`` from
-    ``eps ~ N(0, I)``), ``_marginal_variances()`` (``diag(P^-1)``), ``_kl(mean)`` and
+    ``mc_samples`` when it has a fixed shape),
+    ``_update_flat(mean, grad, weight, curvature, lr, beta, eps)`` (returns the new mean and
+    ``perturb`` of the updated state applied to ``eps``, the next step's weight noise, so that the
+    two can share a factorisation), ``sampling_state()`` and ``perturb(state, eps)`` (a draw of
+    ``N(0, P^-1)`` from ``eps ~ N(0, I)``), ``_marginal_variances()`` (``diag(P^-1)``), ``_kl(mean)`` and
     ``_distribution(mean)``.
 
     See :class:`~tfnng.optimizers._per_example.PerExampleOptimizer` for ``beta``, ``hess_init``
@@ -102,15 +104,20 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         if self.mc_samples > 1:
             stats = self._accumulate_flat(stats, finite, apply_now)
 
+        # The next step's weight noise, drawn first: the update can then share its factorisation
+        # of the new posterior with the sample (SLANG's Woodbury terms).
+        standard_normal = self._standard_normal((self.dimension,), dtype)
+
         def update():
-            mean = self._update_flat(self._flat_mean(), stats["grad"], stats["weight"],
-                                     stats["curvature"], lr, self._beta_now(dtype))
+            mean, noise = self._update_flat(self._flat_mean(), stats["grad"], stats["weight"],
+                                            stats["curvature"], lr, self._beta_now(dtype),
+                                            standard_normal)
             for i, value in self._unflatten(mean).items():
                 self._means[i].assign(value)
-            return tf.constant(True)
+            return noise
 
-        tf.cond(apply_now, update, lambda: tf.constant(False))
-        self._write_sample()
+        self._assign_sample(tf.cond(
+            apply_now, update, lambda: self.perturb(self.sampling_state(), standard_normal)))
 
     def _accumulate_flat(self, stats, finite, apply_now):
         return {name: self._accumulate_into(self._mc_sums[name], value, finite, apply_now)
@@ -126,10 +133,14 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         raise NotImplementedError
 
     def _write_sample(self):
+        dtype = self._means[self._flat_indices[0]].dtype
+        eps = self._standard_normal((self.dimension,), dtype)
+        self._assign_sample(self.perturb(self.sampling_state(), eps))
+
+    def _assign_sample(self, noise):
+        """Write ``mu + sqrt(lambda/N) noise`` into the variables (``noise`` a draw of N(0, P^-1))."""
         mean = self._flat_mean()
-        eps = self._standard_normal(mean.shape, mean.dtype)
-        sample = mean + tf.sqrt(self._covariance_scale_as(mean.dtype)) * self.perturb(
-            self.sampling_state(), eps)
+        sample = mean + tf.sqrt(self._covariance_scale_as(mean.dtype)) * noise
         for i, value in self._unflatten(sample).items():
             self._trainable_variables[i].assign(value)
 

@@ -66,7 +66,7 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
         return (tf.matmul(columns, columns, transpose_b=True)
                 / tf.cast(gradients.num_columns, tf.float64))
 
-    def _update_flat(self, mean, grad, weight, curvature, lr, beta):
+    def _update_flat(self, mean, grad, weight, curvature, lr, beta, standard_normal):
         beta = tf.cast(beta, tf.float64)
         fisher = (1 - beta) * self._fisher + beta * curvature
         self._fisher.assign(fisher)
@@ -77,7 +77,8 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
                 fisher, 1.0, self.intrinsic_damping + self.extrinsic_damping))
         direction = _full.precondition(chol, tf.cast(grad, tf.float64)
                                        + self.intrinsic_damping * tf.cast(weight, tf.float64))
-        return mean - lr * tf.cast(direction, mean.dtype)
+        return (mean - lr * tf.cast(direction, mean.dtype),
+                self.perturb(self.sampling_state(), standard_normal))
 
     def sampling_state(self):
         return {"cholesky": tf.convert_to_tensor(self._chol)}

@@ -74,7 +74,7 @@ class SLANG(FlatPosteriorOptimizer):
         """The per-example gradients themselves: ``update`` weighs their outer products by 1/B."""
         return gradients
 
-    def _update_flat(self, mean, grad, weight, curvature, lr, beta):
+    def _update_flat(self, mean, grad, weight, curvature, lr, beta, standard_normal):
         low_rank, diagonal = _low_rank.update(
             self._low_rank, self._diagonal, curvature, beta, self.intrinsic_damping,
             oversampling=self.oversampling, power_iterations=self.power_iterations,
@@ -82,9 +82,14 @@ class SLANG(FlatPosteriorOptimizer):
             curvature_weight=1.0 / tf.cast(curvature.num_columns, mean.dtype))
         self._low_rank.assign(low_rank)
         self._diagonal.assign(diagonal)
-        direction = _low_rank.fast_inverse(low_rank, diagonal + self.extrinsic_damping,
-                                           grad + self.intrinsic_damping * mean)
-        return mean - lr * direction
+        target = grad + self.intrinsic_damping * mean
+        if self.extrinsic_damping > 0:
+            direction = _low_rank.fast_inverse(low_rank, diagonal + self.extrinsic_damping, target)
+            noise = _low_rank.fast_sample(low_rank, diagonal, standard_normal)
+        else:       # one float64 factorisation for the step and the next sample (Alg. 2 and 3)
+            direction, noise = _low_rank.inverse_and_sample(low_rank, diagonal, target,
+                                                            standard_normal)
+        return mean - lr * direction, noise
 
     def sampling_state(self):
         return {"low_rank": tf.convert_to_tensor(self._low_rank),

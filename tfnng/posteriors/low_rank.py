@@ -254,49 +254,73 @@ def _capacitance_cholesky(scaled, low_rank):
     return tf.linalg.cholesky(capacitance + tf.eye(low_rank.shape[1], dtype=low_rank.dtype))
 
 
-def _float64_woodbury_terms(low_rank, diagonal):
-    """``(d, U / d, chol(I + U^T d^-1 U))`` in float64, for the Woodbury computations that subtract
-    nearly equal numbers where ``U U^T >> diag d`` (:func:`fast_inverse`, :func:`marginal_variances`)."""
-    low_rank, diagonal = tf.cast(low_rank, tf.float64), tf.cast(diagonal, tf.float64)
-    scaled = low_rank / diagonal[:, None]
-    return diagonal, scaled, _capacitance_cholesky(scaled, low_rank)
+class _Whitened:
+    """``P = U U^T + diag d`` written as ``d^{1/2} (I + V V^T) d^{1/2}`` with ``V = d^{-1/2} U`` and
+    ``V^T V = W diag(s) W^T``, in float64 (SLANG App. C.3-C.4): one Gram product of the (D, L)
+    factor and one L x L eigenproblem, which :func:`fast_inverse`, :func:`fast_sample`,
+    :func:`inverse_and_sample`, :func:`marginal_variances` and :func:`covariance_root` build on.
+
+    Every one of them applies ``I - V W diag(k) W^T V^T`` for a coefficient vector k of s:
+    ``1 / (1 + s)`` gives ``(I + V V^T)^-1`` (Woodbury; SLANG Alg. 2), and
+    ``1 / (sqrt(1 + s) (1 + sqrt(1 + s)))`` its symmetric square root (eigenvalues ``1 / sqrt(1 + s)``
+    and 1; the factorisation of Ambikasaran & O'Neil, SLANG Alg. 3). Where ``U U^T >> diag d`` the
+    two terms nearly cancel along range(U) (relative rounding ~eps x s, up to s ~ 1e9-1e11 at large
+    N or L near D), so the (D, L) products are float64: in float32 the inverse lost those components
+    (SLANG's mean steps diverged) and the sampled standard deviations were off by up to a factor
+    2.9. ``V`` is never stored: products with it scale the (D, K) operand by ``d^{-1/2}`` instead.
+    """
+
+    def __init__(self, low_rank, diagonal):
+        self.inv_sqrt = tf.math.rsqrt(tf.cast(diagonal, tf.float64))
+        self.low_rank = tf.cast(low_rank, tf.float64)
+        whitened = self.low_rank * self.inv_sqrt[:, None]
+        values, self.eigenvectors = tf.linalg.eigh(tf.matmul(whitened, whitened, transpose_a=True))
+        self.eigenvalues = tf.maximum(values, 0.0)
+
+    def inverse_coefficients(self):
+        return 1.0 / (1.0 + self.eigenvalues)
+
+    def root_coefficients(self):
+        root = tf.sqrt(1.0 + self.eigenvalues)
+        return 1.0 / (root * (1.0 + root))
+
+    def lifted_eigenvectors(self):
+        """``Z = V W`` (D, L), orthogonal columns of squared norms s."""
+        return self.inv_sqrt[:, None] * (self.low_rank @ self.eigenvectors)
+
+    def apply(self, rows, coefficients):
+        """``d^{-1/2} (I - V W diag(k_j) W^T V^T) x_j`` for the float64 rows ``x_j`` of the (K, D)
+        ``rows`` and the coefficients ``k_j``, (K, L) or (L,) for all rows: two (D, L) products for
+        all K. (Rows, not columns: TensorFlow broadcasts a (D,) vector along rows several times
+        faster.)"""
+        projected = tf.matmul(rows * self.inv_sqrt, self.low_rank)                 # (V^T x_j)^T
+        mixed = tf.matmul(coefficients * (projected @ self.eigenvectors), self.eigenvectors,
+                          transpose_b=True)
+        return self.inv_sqrt * (rows - self.inv_sqrt * tf.matmul(mixed, self.low_rank,
+                                                                 transpose_b=True))
 
 
 def fast_inverse(low_rank, diagonal, vectors):
     """``(U U^T + diag d)^-1 g`` by the Woodbury identity (SLANG Alg. 2; App. C.3), cost O(D L^2).
 
-    ``vectors`` is a (D,) vector or a (D, K) matrix of K vectors. The L x L capacitance matrix
-    ``I + U^T d^-1 U`` of Alg. 2, line 1 is factorised by Cholesky instead of inverted.
-
-    Computed in float64 whatever the inputs' dtype (the result is cast back to the vectors' dtype):
-    along range(U) the two terms ``g/d`` and ``d^-1 U C^-1 U^T d^-1 g`` nearly cancel where
-    ``U U^T >> diag d`` (large N, L near D), and in float32 the result lost its components there
-    (relative error ~1e-7 x the eigenvalues of ``U^T d^-1 U``: 0.3 at 9e6), which made SLANG's mean
-    steps diverge.
+    ``vectors`` is a (D,) vector or a (D, K) matrix of K vectors:
+    ``d^{-1/2} (I + V V^T)^-1 d^{-1/2} g`` with the L x L capacitance ``I + V^T V`` (Alg. 2, line 1)
+    diagonalised instead of inverted (:class:`_Whitened`). Computed in float64 whatever the inputs'
+    dtype (the result is cast back to the vectors' dtype), see :class:`_Whitened`.
     """
-    matrix, squeeze = _linalg.as_matrix(vectors)
-    dtype = matrix.dtype
-    diagonal, scaled, chol = _float64_woodbury_terms(low_rank, diagonal)
-    matrix = tf.cast(matrix, tf.float64)
-    result = tf.cast(matrix / diagonal[:, None] - scaled @ tf.linalg.cholesky_solve(
-        chol, tf.transpose(scaled) @ matrix), dtype)
-    return result[:, 0] if squeeze else result
+    whitened = _Whitened(low_rank, diagonal)
+    return _apply_to_columns(lambda rows: whitened.apply(whitened.inv_sqrt * rows,
+                                                         whitened.inverse_coefficients()), vectors)
 
 
-def _root_terms(low_rank, diagonal):
-    """``(d^{-1/2}, V, W, c)`` in float64 (``d^{-1/2}`` in the inputs' dtype) with
-    ``V = d^{-1/2} U``, ``V^T V = W diag(s) W^T`` and ``c = 1 / (sqrt(1 + s) (1 + sqrt(1 + s)))``:
-    the covariance root is ``d^{-1/2} (I - V W c W^T V^T)``.
-
-    Where ``U U^T >> diag d`` the coefficients c span the ratio of the largest to the smallest s
-    and V's columns differ in norm by up to ``sqrt(s_max)``: with ``W c W^T`` or its products with
-    V in float32 the rounding was amplified by those spreads (the standard deviation along the
-    best-determined direction off by 71%, or by a factor 2.9, at s ~ 1e9-1e11)."""
-    inv_sqrt = tf.math.rsqrt(diagonal)
-    wide = tf.cast(low_rank, tf.float64) * tf.cast(inv_sqrt, tf.float64)[:, None]
-    values, vectors = tf.linalg.eigh(tf.matmul(wide, wide, transpose_a=True))
-    root = tf.sqrt(1.0 + tf.maximum(values, 0.0))
-    return inv_sqrt, wide, vectors, 1.0 / (root * (1.0 + root))
+def _apply_to_columns(apply, vectors):
+    """``apply`` (on float64 (K, D) rows) to the columns of a (D, K) matrix or to a (D,) vector,
+    the result in the vectors' dtype."""
+    vectors = tf.convert_to_tensor(vectors)
+    rows = tf.cast(vectors[None, :] if vectors.shape.rank == 1 else tf.transpose(vectors),
+                   tf.float64)
+    result = tf.cast(apply(rows), vectors.dtype)
+    return result[0] if vectors.shape.rank == 1 else tf.transpose(result)
 
 
 def covariance_root(low_rank, diagonal):
@@ -309,50 +333,57 @@ def covariance_root(low_rank, diagonal):
     App. C.4). ``R`` itself is symmetric only when ``d`` is constant. Alg. 3 builds the L x L
     matrix K from Cholesky factors of ``V^T V``, which requires U of full column rank; here K comes
     from the eigendecomposition ``V^T V = W diag(s) W^T`` as
-    ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T``: the same matrix as Alg. 3's once its
-    ``K = (C + V^T V)^-1`` is read as ``(C^-1 + V^T V)^-1`` (as printed, a scalar V^T V = 3 gives
-    the variance 0.01 instead of 1/4), and well defined for rank-deficient U (e.g. zero columns at
-    initialisation). The factor
-    ``I - V K V^T`` has eigenvalues ``1 / sqrt(1 + s)`` and 1: positive definite.
+    ``K = W diag(1 / (sqrt(1 + s) (1 + sqrt(1 + s)))) W^T`` (:class:`_Whitened`): the same matrix as
+    Alg. 3's once its ``K = (C + V^T V)^-1`` is read as ``(C^-1 + V^T V)^-1`` (as printed, a scalar
+    V^T V = 3 gives the variance 0.01 instead of 1/4), and well defined for rank-deficient U (e.g.
+    zero columns at initialisation). The factor ``I - V K V^T`` has eigenvalues
+    ``1 / sqrt(1 + s)`` and 1: positive definite.
     """
-    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
-    dtype = inv_sqrt.dtype
+    whitened = _Whitened(low_rank, diagonal)
+    dtype = tf.as_dtype(diagonal.dtype)
     correction = tf.linalg.LinearOperatorLowRankUpdate(     # Z = V W: orthogonal columns
         tf.linalg.LinearOperatorIdentity(tf.shape(diagonal)[0], dtype=dtype),
-        tf.cast(scaled @ vectors, dtype), diag_update=-tf.cast(coefficients, dtype),
-        is_self_adjoint=True,
-        is_positive_definite=True)
+        tf.cast(whitened.lifted_eigenvectors(), dtype),
+        diag_update=-tf.cast(whitened.root_coefficients(), dtype),
+        is_self_adjoint=True, is_positive_definite=True)
     return tf.linalg.LinearOperatorComposition(
-        [tf.linalg.LinearOperatorDiag(inv_sqrt, is_positive_definite=True), correction])
+        [tf.linalg.LinearOperatorDiag(tf.cast(whitened.inv_sqrt, dtype), is_positive_definite=True),
+         correction])
 
 
 def fast_sample(low_rank, diagonal, standard_normal):
     """Map ``eps ~ N(0, I_D)`` to a draw from ``N(0, (U U^T + diag d)^-1)`` (SLANG Alg. 3; App. C.4):
-    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - V (K (V^T eps)))``,
-    ``K = W c W^T`` (:func:`_root_terms`). Cost O(D L^2 + L^3 + D L S) for S draws
-    (``standard_normal`` of shape (D,) or (D, S)). The correction ``V K V^T eps`` is computed in
-    float64, its difference with eps in the inputs' dtype: with s_max the largest eigenvalue of
-    ``U^T d^-1 U``, the standard deviations, down to ``1 / sqrt(d (1 + s_max))``, come with
-    relative rounding errors of a few ``eps sqrt(s_max)`` (float32: about 0.2% at s_max = 1e9, 2%
-    at 1e11), the resolution of a draw whose entries are of the size ``1 / sqrt(d)``."""
-    matrix, squeeze = _linalg.as_matrix(standard_normal)
-    inv_sqrt, scaled, vectors, coefficients = _root_terms(low_rank, diagonal)
-    projected = tf.matmul(scaled, tf.cast(matrix, tf.float64), transpose_a=True)   # V^T eps
-    mixed = vectors @ (coefficients[:, None] * tf.matmul(vectors, projected, transpose_a=True))
-    result = inv_sqrt[:, None] * (matrix - tf.cast(scaled @ mixed, matrix.dtype))
-    return result[:, 0] if squeeze else result
+    ``covariance_root(U, d) eps``, applied as ``d^{-1/2} (eps - V (K (V^T eps)))`` in float64
+    (:class:`_Whitened`; the result in the draws' dtype). Cost O(D L^2 + L^3 + D L S) for S draws
+    (``standard_normal`` of shape (D,) or (D, S))."""
+    whitened = _Whitened(low_rank, diagonal)
+    return _apply_to_columns(lambda rows: whitened.apply(rows, whitened.root_coefficients()),
+                             standard_normal)
+
+
+def inverse_and_sample(low_rank, diagonal, vector, standard_normal):
+    """``(fast_inverse(U, d, g), fast_sample(U, d, eps))`` for (D,) vectors ``g`` and ``eps``, from
+    one :class:`_Whitened` and one pair of (D, L) products for both (SLANG Alg. 2 and 3 share
+    their L x L factorisation: a SLANG step's mean update and its next weight sample)."""
+    whitened = _Whitened(low_rank, diagonal)
+    rows = tf.stack([whitened.inv_sqrt * tf.cast(vector, tf.float64),
+                     tf.cast(standard_normal, tf.float64)])
+    coefficients = tf.stack([whitened.inverse_coefficients(), whitened.root_coefficients()])
+    result = whitened.apply(rows, coefficients)
+    return tf.cast(result[0], vector.dtype), tf.cast(result[1], standard_normal.dtype)
 
 
 def marginal_variances(low_rank, diagonal):
-    """``diag((U U^T + diag d)^-1)``, the posterior marginal variances, by Woodbury in O(D L^2).
+    """``diag((U U^T + diag d)^-1)``, the posterior marginal variances, by Woodbury in O(D L^2):
+    ``(1/d) (1 - sum_l Z_il^2 / (1 + s_l))`` with ``Z = V W`` (:class:`_Whitened`).
 
-    Computed in float64 whatever the inputs' dtype (the result is cast back): Woodbury subtracts
-    from ``1/d`` a number of the same size where ``U U^T >> diag d`` (large N, L near D), and in
-    float32 the difference came out wrong in its first digit, or negative."""
-    dtype = low_rank.dtype
-    diagonal, scaled, chol = _float64_woodbury_terms(low_rank, diagonal)
-    whitened = tf.linalg.triangular_solve(chol, tf.transpose(scaled), lower=True)
-    return tf.cast(1.0 / diagonal - tf.reduce_sum(tf.square(whitened), axis=0), dtype)
+    Computed in float64 whatever the inputs' dtype (the result is cast back): the difference is
+    small against 1 where ``U U^T >> diag d`` (large N, L near D), and in float32 it came out wrong
+    in its first digit, or negative."""
+    whitened = _Whitened(low_rank, diagonal)
+    rows = whitened.lifted_eigenvectors() * tf.sqrt(whitened.inverse_coefficients())
+    variances = tf.square(whitened.inv_sqrt) * (1.0 - tf.reduce_sum(tf.square(rows), axis=1))
+    return tf.cast(variances, low_rank.dtype)
 
 
 def log_det_precision(low_rank, diagonal):
