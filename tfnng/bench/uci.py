@@ -5,7 +5,8 @@ are normalised with the training split's mean and standard deviation (a zero std
 columns of naval-propulsion-plant are constant); the net has one hidden layer of ``n_hidden.txt`` ReLU
 units (50, or 100 for protein) and ends in a ``NoisePrecision`` layer, the Gamma posterior of the noise
 precision of App. C.1, trained with ``GaussianNLL("learned")``. Test RMSE and the per-point test
-log-likelihood (log-mean-exp over 100 weight samples, ``--predictive-samples``) are reported in the
+log-likelihood (log-mean-exp over 100 weight samples, ``--predictive-samples``, of the Student-t
+densities that integrate q(tau) out) are reported in the
 original target units, then averaged over splits (± standard error). Reference numbers of the NNG
 paper (Table 1) and of MC dropout (datasets/uci/README.md) are printed alongside. ``--mc-samples S``
 trains on S weight samples per mini-batch (each batch is fed S times to an optimizer with
