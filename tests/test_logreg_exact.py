@@ -65,6 +65,25 @@ def test_mean_field_optimum_fixed_point_and_lower_elbo(problem):
     assert mf_metrics["symmetric_kl"] > 0.01 and abs(full_metrics["symmetric_kl"]) < 1e-10
 
 
+def test_slang_code_convention_drops_the_bias_prior_log_precision_from_the_kl(problem):
+    """SLANG's Table 1 -ELBO comes from chol_log_reg.m, whose KL term is
+    0.5 (log det V + sum_{j >= 2} log p_j - tr(V diag p) - m^T diag p m + D): the bias prior's
+    log precision (p_1) is missing. Written out here from that formula, against ours (exact KL)."""
+    split, full, _ = problem
+    n, dim = split.x_train.shape
+    expected_log_lik = logreg.expected_log_likelihood(
+        tf.constant(split.x_train), tf.constant(split.y_train), tf.constant(full.mean),
+        tf.constant(np.linalg.cholesky(full.covariance))).numpy()
+    p, v, m = split.prior_precision, full.covariance, full.mean
+    negative_kl = 0.5 * (np.linalg.slogdet(v)[1] + np.sum(np.log(p[1:])) - np.trace(v * p)
+                         - m @ (p * m) + dim)
+    metrics = logreg.evaluate(split, full, full)
+    np.testing.assert_allclose(metrics["neg_elbo_per_example_slang_code"],
+                               -(negative_kl + expected_log_lik) / n, rtol=1e-10)
+    np.testing.assert_allclose(metrics["neg_elbo_per_example"] - metrics["neg_elbo_per_example_slang_code"],
+                               -0.5 * np.log(p[0]) / n, rtol=1e-10)
+
+
 def test_gauss_hermite_expectation_matches_monte_carlo(problem):
     """The quadrature of E_q[log p(y | X, w)] against 400000 joint draws of w ~ q (tolerance: 4
     Monte Carlo standard errors)."""
