@@ -10,8 +10,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfnng
 from tfnng.bench import _results, speed, uci
@@ -284,13 +286,31 @@ def test_out_paths_are_opened_before_any_work(tmp_path):
 
 def test_speed_table_names_the_reference_of_its_ratios(tmp_path, monkeypatch, capsys):
     row = dict(model="mlp", ms_per_step=2.0, step_time_ratio=1.0, cpu_ms_per_step=2.0,
-               cpu_time_ratio=1.0, state_bytes=8, state_bytes_ratio=1.0, final_loss=0.5, trained=True)
+               cpu_time_ratio=1.0, state_bytes=8, state_bytes_ratio=1.0, final_loss=0.5, trained=True,
+               skipped_updates=0, inverse_failures=0, inverse_warmup_timed=False)
     monkeypatch.setattr(speed, "measure", lambda name, optimizers, *args: [
         {**row, "optimizer": o} for o in optimizers])
     main(["speed", "--models", "mlp", "--optimizers", "NoisyAdam,Adam", "--out",
           str(tmp_path / "s.json")])
     header = next(line for line in capsys.readouterr().out.splitlines() if "ms/step" in line)
     assert header.count("x NoisyAdam") == 3 and "x Adam" not in header
+
+
+def test_speed_counts_updates_the_guard_skipped_and_flags_the_row():
+    """A run whose loss stays finite while tfnng's non-finite guard skips every update (the squared
+    gradients overflow float32) did not train: its time is not a step's."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(1e-3, num_examples=100),
+                  loss=tfnng.losses.CategoricalNLL())
+    batch = (np.full((8, 4), 1e20, np.float32), np.zeros(8, np.int64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, loss, skipped, failed = speed._ms_per_step(
+            model, tf.data.Dataset.from_tensors(batch).repeat(), 3)
+    assert math.isfinite(loss) and skipped == 3 and failed == 0
+    row = dict(trained=False, skipped_updates=3, inverse_failures=0, inverse_warmup_timed=False)
+    assert speed._training_flags(row) == " DIVERGED (3 updates skipped, 0 factorisations failed)"
 
 
 def test_speed_runs_without_warm_up_steps():

@@ -132,13 +132,22 @@ def _compiled_models(model_name, optimizers, jit_compile):
     return models
 
 
+def _guard_counts(optimizer):
+    """Updates skipped by tfnng's non-finite guard and K-FAC factorisations that failed so far (0 for
+    optimizers without them)."""
+    return (getattr(optimizer, "skipped_updates", 0), getattr(optimizer, "inverse_failures", 0))
+
+
 def _ms_per_step(model, dataset, steps):
     """Wall-clock and process CPU milliseconds per training step of ``steps`` steps of ``model.fit``,
-    and the mean training loss of those steps."""
+    the mean training loss of those steps, and the updates skipped and factorisations failed in
+    them."""
+    before = _guard_counts(model.optimizer)
     wall, cpu = time.perf_counter(), time.process_time()
     history = model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
-    return (1000.0 * (time.perf_counter() - wall) / steps, 1000.0 * (time.process_time() - cpu) / steps,
-            history.history["loss"][-1])
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    skipped, failed = (after - start for after, start in zip(_guard_counts(model.optimizer), before))
+    return 1000.0 * wall / steps, 1000.0 * cpu / steps, history.history["loss"][-1], skipped, failed
 
 
 def _cpu_ms_per_call(fn, calls=1, repeats=3):
@@ -192,14 +201,21 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
             times[name].append(_ms_per_step(models[name], dataset, steps))
     rows = []
     for name in optimizers:
-        wall, cpu, loss = zip(*times[name])
+        wall, cpu, loss, skipped, failed = zip(*times[name])
+        optimizer = models[name].optimizer
         rows.append({
             "model": model_name, "optimizer": name, "num_parameters": _num_parameters(models[name]),
             "ms_per_step": statistics.median(wall), "cpu_ms_per_step": statistics.median(cpu),
             "ms_per_step_repeats": list(wall), "cpu_ms_per_step_repeats": list(cpu),
             "state_bytes": state_bytes(models[name].optimizer),
-            # A diverged run skips its updates (tfnng's non-finite guard): its time is not a step's.
-            "final_loss": loss[-1], "trained": bool(np.all(np.isfinite(loss))),
+            # A diverged run skips its updates (tfnng's non-finite guard), possibly with a finite
+            # loss (overflowing squared gradients): its time is not a step's.
+            "final_loss": loss[-1], "skipped_updates": sum(skipped), "inverse_failures": sum(failed),
+            "trained": bool(np.all(np.isfinite(loss))) and sum(skipped) + sum(failed) == 0,
+            # The timed steps hold one inverse update per T_inv steps only after K-FAC's inverse
+            # warm-up (an inverse update at every statistics update of the first T_inv updates).
+            "inverse_warmup_timed": bool(getattr(optimizer, "inverse_warmup", False)
+                                         and warmup_steps < optimizer.inverse_every),
         })
     for row in rows:
         for key, ratio in [("ms_per_step", "step_time_ratio"), ("cpu_ms_per_step", "cpu_time_ratio"),
@@ -237,6 +253,13 @@ def add_arguments(parser):
     parser.add_argument("--out", default="results/speed.json", help="JSON file (default: %(default)s)")
 
 
+def _training_flags(row):
+    flags = "" if row["trained"] else (
+        f" DIVERGED ({row['skipped_updates']} updates skipped, "
+        f"{row['inverse_failures']} factorisations failed)")
+    return flags + (" (timed during the inverse warm-up)" if row["inverse_warmup_timed"] else "")
+
+
 def run(args):
     """Run the speed/memory benchmark described by the parsed ``args``; print the table, write the JSON."""
     model_names = _results.parse_names(args.models, MODELS, "model(s)")
@@ -251,7 +274,7 @@ def run(args):
          "final loss"],
         [[r["model"], r["optimizer"], f"{r['ms_per_step']:.3f}", f"{r['step_time_ratio']:.2f}",
           f"{r['cpu_ms_per_step']:.3f}", f"{r['cpu_time_ratio']:.2f}", r["state_bytes"],
-          f"{r['state_bytes_ratio']:.2f}", f"{r['final_loss']:.4g}" + ("" if r["trained"] else " DIVERGED")]
+          f"{r['state_bytes_ratio']:.2f}", f"{r['final_loss']:.4g}" + _training_flags(r)]
          for r in rows],
         title=f"\nTraining step time and optimizer state (batch {args.batch_size}, jit_compile={args.jit_compile}, "
               f"median of {args.repeats} x {args.steps} steps; targets: <= {TARGETS['step_time_ratio']}x time, "
