@@ -37,7 +37,8 @@ KL_WEIGHT = 1.0
 
 
 def load(test_fraction=0.3, seed=0):
-    """Digits as ``(x_train, y_train, x_test, y_test)``: images ``(n, 8, 8, 1)`` in [0, 1], int labels."""
+    """Digits as ``(x_train, x_test, y_train, y_test)`` (scikit-learn's order): images
+    ``(n, 8, 8, 1)`` in [0, 1], int labels."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
