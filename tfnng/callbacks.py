@@ -171,9 +171,10 @@ def histogram_buckets(values, bucket_count=30):
 def optimizer_scalars(optimizer):
     """The step-size and damping quantities a tfnng optimizer exposes, as floats keyed by name.
 
-    ``learning_rate`` (the schedule's value at the current update), ``skipped_updates``; the
-    intrinsic damping ``lambda / (N eta)`` of the diagonal and per-example families, or the
-    sampling and mean-step dampings of the K-FAC family with its ``kl_clip_threshold`` ``c_k`` (NNG App. C.2, eq. 26) and
+    ``learning_rate`` (a schedule's value for the next update, ``schedule(iterations)``),
+    ``skipped_updates``; the intrinsic damping ``lambda / (N eta)`` of the diagonal and per-example
+    families, or the sampling and mean-step dampings of the K-FAC family with its
+    ``kl_clip_threshold`` ``c_k`` for the next update (NNG App. C.2, eq. 26) and
     ``inverse_failures``, where they exist.
     """
     values = {"learning_rate": optimizer.learning_rate,
