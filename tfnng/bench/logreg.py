@@ -332,7 +332,10 @@ def _isotropic_rescaling(prior_precision):
 
     tfnng's optimizers take one prior variance; with ``w = c * w'`` and features ``x * c`` the model
     is unchanged and ``w'`` has the isotropic prior, so the variational problem is the same (c is
-    diagonal: mean-field, low-rank-plus-diagonal and full families map onto themselves).
+    diagonal: mean-field, low-rank-plus-diagonal and full families map onto themselves). VOGN's and
+    NNG-full's updates are equivariant under it (elementwise, or a linear change of coordinates);
+    SLANG's top-L eigendecomposition is not (which directions it keeps depends on the scaling), so
+    on Breast-Cancer (bias column scaled by 316) its rows are SLANG run in the rescaled coordinates.
     """
     target = np.max(prior_precision)
     return np.sqrt(target / prior_precision), target
