@@ -185,6 +185,9 @@ def test_tensorboard_and_validation_reject_bad_setups(tmp_path):
             callbacks.PredictiveValidation(x, y, **kwargs)
     with pytest.raises(ValueError, match=r"evaluate\(\) needs a model: pass the callback"):
         callbacks.PredictiveValidation(x, y).evaluate()
+    for args in ((None, y), (x, None)):        # a TensorFlow conversion error before
+        with pytest.raises(ValueError, match="needs validation inputs `x` and targets `y`"):
+            callbacks.PredictiveValidation(*args)
 
 
 class EpochCounter(keras.callbacks.Callback):

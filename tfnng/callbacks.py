@@ -70,6 +70,9 @@ class PredictiveValidation(keras.callbacks.Callback):
     def __init__(self, x, y, num_samples=20, every=1, batch_size=None, likelihood=None,
                  num_bins=15, prefix="val_pred_"):
         super().__init__()
+        if x is None or y is None:
+            raise ValueError("PredictiveValidation needs validation inputs `x` and targets `y`; got "
+                             f"{'x' if x is None else 'y'} = None.")
         self.x, self.y = x, y
         self.num_samples = _positive_int("num_samples", num_samples)
         self.every = _positive_int("every", every)
