@@ -365,16 +365,23 @@ def example_gradients(w, x, y):
     return x * ((y[:, 0] - x @ w) / NOISE_VAR)[:, None]
 
 
-def run_optimizer(optimizer, eps):
+def noisy_steps(optimizer, eps):
+    """Train on ``reference_batches`` with the weight noise ``eps`` (one draw per step, all of them
+    used), yielding ``(t, x, y, net)`` after each step t."""
     net = linear_net()
     step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64),
                      compiled=False)       # eager: the fixed noise is read at every step
     queue = list(eps)
     optimizer._standard_normal = lambda shape, dtype: tf.constant(queue.pop(0), dtype)
-    means = []
-    for x, y in reference_batches():
+    for t, (x, y) in enumerate(reference_batches()):
         step(tf.constant(x), tf.constant(y))
-        means.append(optimizer.posterior_mean(net.trainable_variables[0]).numpy()[:, 0])
+        yield t, x, y, net
+    assert not queue
+
+
+def run_optimizer(optimizer, eps):
+    means = [optimizer.posterior_mean(net.trainable_variables[0]).numpy()[:, 0]
+             for _, _, _, net in noisy_steps(optimizer, eps)]
     return np.array(means), optimizer
 
 
@@ -495,14 +502,8 @@ def test_slang_steps_from_its_weight_noise_and_draws_the_next_sample_from_the_up
     eps = list(np.random.default_rng(6).normal(size=(STEPS, D)))
     kwargs = {**common_kwargs(), "extrinsic_damping": extrinsic_damping}
     optimizer = tfnng.optimizers.SLANG(rank=D, **kwargs)
-    net = linear_net()
-    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64),
-                     compiled=False)
-    queue = list(eps)
-    optimizer._standard_normal = lambda shape, dtype: tf.constant(queue.pop(0), dtype)
     mu, precision, w = np.zeros(D), (H0 + GAMMA) * np.eye(D), np.zeros(D)
-    for t, (x, y) in enumerate(reference_batches()):
-        step(tf.constant(x), tf.constant(y))
+    for t, x, y, net in noisy_steps(optimizer, eps):
         g_i = example_gradients(w, x, y)
         precision = (1 - BETA) * precision + BETA * (g_i.T @ g_i / B + GAMMA * np.eye(D))
         mu = mu - LR * np.linalg.solve(precision + extrinsic_damping * np.eye(D),
@@ -514,7 +515,6 @@ def test_slang_steps_from_its_weight_noise_and_draws_the_next_sample_from_the_up
         w = net.trainable_variables[0].numpy()[:, 0]
         noise = low_rank_posteriors.fast_sample(u, d, eps[t]).numpy()
         np.testing.assert_allclose(w, got_mean + np.sqrt(SCALE) * noise, rtol=1e-10, atol=1e-12)
-    assert not queue
 
 
 def kl_dense(mean, covariance):
