@@ -228,9 +228,10 @@ def test_float32_fast_inverse_survives_a_dominant_low_rank_part(diagonal):
 
 
 def test_float32_fast_sample_error_stays_within_its_documented_bound():
-    """fast_sample applies its root in the inputs' dtype: along an eigenvector of U^T d^-1 U with
-    eigenvalue s its standard deviation carries a relative error of a few eps sqrt(s) (its
-    docstring). The whitened covariance ``C^T R R^T C`` (``P = C C^T``) must be I up to that bound.
+    """float32 inputs where U U^T >> diag d: along an eigenvector of U^T d^-1 U with eigenvalue s the
+    sampled standard deviation may carry a relative error of a few eps sqrt(s) (the bound of the
+    version that subtracted in float32; fast_sample now computes in float64 and rounds the draw at
+    the end). The whitened covariance ``C^T R R^T C`` (``P = C C^T``) must be I up to that bound.
     With ``W c W^T`` formed in float32 the error was 0.71 here (rounding amplified by the spread of
     the eigenvalues, 1e3), and with it formed in float64 but applied through the non-orthogonal
     ``V = d^-1/2 U``, 0.044; a randomly rotated SLANG-like U with eigenvalues from 1 to 1e9 (D =
