@@ -207,7 +207,7 @@ def measure(model_name, optimizers=OPTIMIZERS, steps=200, repeats=5, warmup_step
             "model": model_name, "optimizer": name, "num_parameters": _num_parameters(models[name]),
             "ms_per_step": statistics.median(wall), "cpu_ms_per_step": statistics.median(cpu),
             "ms_per_step_repeats": list(wall), "cpu_ms_per_step_repeats": list(cpu),
-            "state_bytes": state_bytes(models[name].optimizer),
+            "state_bytes": state_bytes(optimizer),
             # A diverged run skips its updates (tfnng's non-finite guard), possibly with a finite
             # loss (overflowing squared gradients): its time is not a step's.
             "final_loss": loss[-1], "skipped_updates": sum(skipped), "inverse_failures": sum(failed),
