@@ -428,3 +428,24 @@ def test_speed_run_writes_ratios(tmp_path):
         if timed_inverse:
             assert row["inverse_update_cpu_ms"] > 0 and row["inverse_every"] == 200
     assert "K-FAC inverse update alone" in stdout and "The optimizer's update alone" in stdout
+
+
+def test_reliability_plot_draws_no_bar_for_an_empty_bin(tmp_path, monkeypatch):
+    """An empty bin has accuracy NaN (null in the JSON): it used to be drawn as a zero-height bar, an
+    accuracy of 0 that no point had."""
+    import matplotlib.axes
+    from tfnng.bench import kfac_digits
+
+    drawn = []
+    original_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda ax, x, height, **kwargs: drawn.append((list(x), list(height)))
+                        or original_bar(ax, x, height, **kwargs))
+    diagram = tfnng.metrics.reliability_diagram_data([0, 1, 0], [[0.9, 0.1], [0.2, 0.8], [0.3, 0.7]],
+                                               num_bins=5)
+    row = dict(method="m", accuracy=2 / 3, ece=0.1,
+               reliability=json.loads(json.dumps({k: np.asarray(v).tolist()
+                                                  for k, v in diagram._asdict().items()})))
+    kfac_digits.plot_reliability([row], str(tmp_path / "sub" / "r.png"))
+    assert drawn == [([0.6, 0.8], [0.5, 1.0])]           # bins (0.6, 0.8] and (0.8, 1]; 3 empty
+    assert (tmp_path / "sub" / "r.png").stat().st_size > 0

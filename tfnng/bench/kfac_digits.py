@@ -121,7 +121,8 @@ def run_method(method, data, epochs, batch_size, num_samples, seed):
 
 
 def plot_reliability(rows, path):
-    """One reliability diagram per method (accuracy vs confidence per bin) in a PNG."""
+    """One reliability diagram per method (accuracy vs confidence per bin) in a PNG; empty bins have
+    no bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,9 +132,9 @@ def plot_reliability(rows, path):
     for ax, row in zip(axes[0], rows):
         diagram = row["reliability"]
         edges = np.asarray(diagram["bin_edges"])
-        acc = np.nan_to_num(np.asarray(diagram["accuracy"], dtype=float))
-        ax.bar(edges[:-1], acc, width=np.diff(edges), align="edge", edgecolor="k", alpha=0.7,
-               label="accuracy")
+        filled = np.asarray(diagram["counts"]) > 0
+        ax.bar(edges[:-1][filled], np.asarray(diagram["accuracy"], dtype=float)[filled],
+               width=np.diff(edges)[filled], align="edge", edgecolor="k", alpha=0.7, label="accuracy")
         ax.plot([0, 1], [0, 1], "r--", label="perfect calibration")
         ax.set_title(f"{row['method']}\nacc {row['accuracy']:.3f}  ECE {row['ece']:.3f}", fontsize=9)
         ax.set_xlabel("confidence")
@@ -142,8 +143,7 @@ def plot_reliability(rows, path):
     axes[0][0].set_ylabel("accuracy")
     axes[0][0].legend(loc="upper left", fontsize=7)
     fig.tight_layout()
-    import os
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
