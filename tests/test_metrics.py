@@ -114,9 +114,11 @@ def test_reliability_diagram_data_by_hand():
     [
         ([0, 1], [[0.5, 0.5]], "labels"),
         ([0, 3], [[0.5, 0.5], [0.2, 0.8]], "labels"),
+        ([0, 2], [[0.5, 0.5], [0.2, 0.8]], "labels"),             # class ids are 0..K-1
         ([0, 0.5], [[0.5, 0.5], [0.2, 0.8]], "labels"),
         ([0, 1], [[2.0, -1.0], [0.2, 0.8]], "logits"),
         ([0, 1], [[0.5, 0.6], [0.2, 0.8]], "sum to 1"),
+        ([1], [[-0.5, 0.8, 0.7]], "logits"),                       # sums to 1, max <= 1
         ([0, 1], [[0.5, np.nan], [0.2, 0.8]], "NaN"),
         ([0, 1], [0.5, 0.2], r"\(N, K\)"),
         ([[0, 0, 0], [0, 1, 0]], [[0.5, 0.3, 0.2], [0.2, 0.7, 0.1]], "single 1"),
@@ -156,6 +158,8 @@ def test_coverage_by_hand():
     # z(0.5) = 0.674: only 0 is inside; with std 2, also 1 (|1| <= 1.349).
     assert metrics.coverage(y, np.zeros(4), np.ones(4), level=0.5) == pytest.approx(0.25)
     assert metrics.coverage(y, np.zeros(4), 2 * np.ones(4), level=0.5) == pytest.approx(0.5)
+    # The interval is closed: an exact point prediction (std 0) covers its target.
+    assert metrics.coverage([1.0, 2.0, 3.0], [1.0, 2.0, 2.5], [0.0, 0.0, 0.0]) == pytest.approx(2 / 3)
 
 
 def test_coverage_of_gaussian_samples():
