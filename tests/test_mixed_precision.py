@@ -304,6 +304,7 @@ def test_half_precision_heads_are_summarised_in_float32(policy, tmp_path):
         optimizer.build(net.trainable_variables)
         assert keras.backend.standardize_dtype(net(x).dtype) == policy.removeprefix("mixed_")
         predictive = tfnng.predict(net, x, num_samples=2000, return_samples=True)
+        assert predictive.outputs.dtype == np.float32    # log_likelihood evaluates these
         mean = predictive.probs if loss.is_classification else predictive.mean
         np.testing.assert_allclose(mean, predictive.samples.astype(np.float64).mean(axis=0), rtol=1e-4)
         serving.export(net, tmp_path / net.name, num_samples=2000, outputs=("mean", "samples"))

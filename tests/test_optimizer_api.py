@@ -104,6 +104,38 @@ def test_predict_keeps_frozen_variables_fixed_and_restores_every_variable():
         np.testing.assert_array_equal(variable.numpy(), value)
 
 
+def test_predictive_log_likelihood_is_the_log_mean_exp_over_weight_samples():
+    """``log (1/S) sum_s p(y | x, w_s)`` against SciPy's logsumexp of the likelihoods written out
+    for the samples' outputs (a Gaussian of variance 0.1; a softmax), not the mean of the logs."""
+    from scipy import special
+
+    x, y = regression_data(n=32)
+    for loss, targets in ((tfnng.losses.GaussianNLL(0.1), y),
+                          (tfnng.losses.CategoricalNLL(), (y[:, 0] > 0).astype("int64"))):
+        net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1 if targets is y else 2)])
+        net.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=len(x), seed=0), loss=loss)
+        net.fit(x, targets, batch_size=8, epochs=1, verbose=0)
+        prediction = tfnng.predict(net, x, num_samples=50)
+        out = prediction.outputs.astype(np.float64)                      # (S, N, d)
+        if targets is y:
+            per_sample = (-0.5 * (y - out) ** 2 / 0.1 - 0.5 * np.log(2 * np.pi * 0.1))[..., 0]
+        else:
+            per_sample = special.log_softmax(out, axis=-1)[:, np.arange(len(x)), targets]
+        assert np.ptp(per_sample, axis=0).max() > 0.1            # the samples do differ
+        np.testing.assert_allclose(prediction.log_likelihood(targets),
+                                   special.logsumexp(per_sample, axis=0) - np.log(50), rtol=1e-5)
+
+
+def test_predict_with_a_point_estimate_gives_the_one_forward_pass():
+    x, y = regression_data(n=16)
+    net = small_net()
+    net.compile(optimizer="adam", loss=tfnng.losses.GaussianNLL(0.1))
+    prediction = tfnng.predict(net, x, num_samples=20, return_samples=True)
+    assert prediction.outputs.shape == (1, 16, 1)
+    np.testing.assert_allclose(prediction.mean, net(x).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(prediction.epistemic_variance, 0.0)
+
+
 def test_predict_traces_once_draws_anew_each_call_and_keeps_nothing_alive():
     """Repeated calls reuse one trace of the forward pass and of the draw, yet sample fresh weights;
     the traces hold neither model nor optimizer."""
