@@ -138,6 +138,30 @@ def test_epoch_loss_is_nll_plus_kl_with_uneven_batches():
     np.testing.assert_allclose(history["loss"], np.add(history["nll"], history["kl"]), rtol=1e-6)
 
 
+def test_evaluate_reports_the_weighted_kl_and_runs_the_net_in_inference_mode():
+    """``kl`` is zero before the first step and ``kl_weight KL / N`` after it (the test step traced
+    by the first ``evaluate`` had kept kl = 0 as a constant); ``nll`` is the loss of
+    ``net(x, training=False)``, and evaluating leaves the BatchNormalization statistics alone."""
+    keras.utils.set_random_seed(0)
+    x, y = classification_data(n=32)
+    net = keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(),
+                            keras.layers.Dense(2)])
+    optimizer = tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=32, kl_weight=0.3, seed=0)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+    untrained = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert untrained["kl"] == 0.0 and untrained["loss"] == untrained["nll"]
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    shifted = 3 * x + 5                                    # far from the training statistics
+    statistics = [v.numpy() for v in net.non_trainable_variables]
+    evaluated = model.evaluate(shifted, y, batch_size=32, verbose=0, return_dict=True)
+    np.testing.assert_allclose(evaluated["kl"], 0.3 * float(optimizer.kl_divergence()) / 32, rtol=1e-5)
+    np.testing.assert_allclose(evaluated["nll"],
+                               float(model.loss(y, net(shifted, training=False))), rtol=1e-5)
+    for variable, value in zip(net.non_trainable_variables, statistics):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
 def test_plain_kfac_has_no_posterior_distribution():
     x, y = classification_data(n=32)
     optimizer = tfnng.optimizers.KFAC(learning_rate=0.1)

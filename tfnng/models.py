@@ -465,6 +465,7 @@ class BayesianModel(keras.Model):
         self._nll_tracker = keras.metrics.Mean(name="nll")
         self._kl_tracker = keras.metrics.Mean(name="kl")
         self._layer_capture = None
+        self._kl_traced_without_posterior = False
         self._fisher_seed = keras.random.SeedGenerator(0, name="fisher_targets_seed")
         # Keras saves no SeedGenerator state: tracked as a non-trainable variable of the model, it
         # is saved (.keras, .weights.h5, tf.train.Checkpoint) and resumed training draws the same
@@ -547,7 +548,10 @@ class BayesianModel(keras.Model):
     def _kl_term(self, dtype):
         optimizer = unwrap_optimizer(self.optimizer)
         kl = getattr(optimizer, "kl_divergence", None)
-        if kl is None or not getattr(optimizer, "built", False):
+        if kl is None:
+            return tf.zeros((), dtype)
+        if not getattr(optimizer, "built", False):
+            self._kl_traced_without_posterior = True       # see make_test_function
             return tf.zeros((), dtype)
         weight = optimizer.kl_weight / optimizer.num_examples
         return tf.cast(weight * kl(), dtype)
@@ -613,6 +617,14 @@ class BayesianModel(keras.Model):
         if not self.net.trainable_variables:
             raise ValueError(f"BayesianModel: the net {self.net.name!r} has no trainable weights, "
                              "so there is no posterior to fit (are all its layers frozen?).")
+
+    def make_test_function(self, force=False):
+        """Keras's, retraced once the optimizer has a posterior if the cached test step was traced
+        before (``evaluate`` before ``fit``): that trace holds kl = 0 as a constant."""
+        if self._kl_traced_without_posterior and getattr(unwrap_optimizer(self.optimizer), "built", False):
+            self._kl_traced_without_posterior = False
+            force = True
+        return super().make_test_function(force=force)
 
     def test_step(self, data):
         x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
