@@ -126,6 +126,19 @@ def test_tensorboard_logs_elbo_terms_schedule_damping_and_stddev_histograms(tmp_
     assert scalar_series(events, "optimizer/skipped_updates") == {0: 0.0, 1: 0.0}
 
 
+def test_tensorboard_draws_no_histogram_for_a_point_estimate(tmp_path):
+    """NoisePrecision's q(tau) parameters are fitted without weight noise: their "stddev" would be
+    a histogram of zeros."""
+    x, y = regression_data(n=16)
+    net = keras.Sequential(regression_net().layers + [tfnng.layers.NoisePrecision(len(x))])
+    net.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=len(x), seed=0),
+                loss=tfnng.losses.GaussianNLL("learned"))
+    net.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[callbacks.PosteriorTensorBoard(tmp_path)])
+    histograms = {tag for tag in read_events(tmp_path) if tag.startswith("posterior_stddev/")}
+    assert histograms == {f"posterior_stddev/{v.path}" for v in net.trainable_variables[:-1]}
+    assert "log_parameters" in net.trainable_variables[-1].path
+
+
 def test_tensorboard_with_bayesian_model_kfac_every_k_batches(tmp_path):
     keras.utils.set_random_seed(1)
     x, y = classification_data()

@@ -168,6 +168,22 @@ def test_natural_step_that_would_leave_the_gamma_family_keeps_the_old_values():
                                    0.5).numpy()))
 
 
+def test_natural_step_keeps_only_the_outputs_whose_step_is_invalid():
+    """Two outputs, the second's gradient NaN (a diverged output): the first still takes its
+    conjugate step towards Gam(a_n, b_n), the second keeps its alpha and beta."""
+    y, a_n, b_n = _known_mean_problem()
+    y = np.concatenate([y, y], axis=1)
+    layer = NoisePrecision(len(y), dtype="float64")
+    model = _mean_model(2, layer, dtype="float64")
+    _set_posterior(layer, [6.0, 6.0], [2.0, 2.0])
+    gradient = _objective_gradient(layer, model, y).numpy()
+    gradient[:, 1] = np.nan
+    new = np.exp(natural_step(layer.log_parameters)(layer.log_parameters, tf.constant(gradient),
+                                                     0.5).numpy())
+    np.testing.assert_allclose(new[:, 0], [0.5 * 6.0 + 0.5 * a_n, 0.5 * 2.0 + 0.5 * b_n], rtol=1e-9)
+    np.testing.assert_allclose(new[:, 1], [6.0, 2.0], rtol=1e-12)
+
+
 def test_tfnng_optimizer_takes_the_natural_gradient_step():
     # Inside model.fit, a tfnng optimizer moves q(tau) by v <- v - min(lr, 1) N g: with a predicted
     # mean fixed at zero (the input is zero), each full-batch step is the conjugate update above.
