@@ -419,6 +419,19 @@ FAMILIES = {
 }
 
 
+def test_a_point_estimate_is_served_at_its_current_value(tmp_path):
+    """As in tfnng.predict: q(tau) set by hand after training (alpha 50, beta 5) is served, not the
+    optimizer's copy of the value it had at the last step."""
+    model, x = regression_model()
+    model.layers[-1].log_parameters.assign(np.log([[50.0], [5.0]]))
+    serving.export(model, tmp_path / "m", num_samples=NUM_SAMPLES, outputs=("aleatoric_variance",))
+    served = tf.saved_model.load(str(tmp_path / "m")).signatures["seeded"](
+        inputs=tf.constant(x), seed=tf.constant(SEED_A, tf.int64))["aleatoric_variance"].numpy()
+    np.testing.assert_allclose(served, 5.0 / 49.0, rtol=1e-5)
+    np.testing.assert_allclose(tfnng.predict(model, x, num_samples=4).aleatoric_variance, 5.0 / 49.0,
+                               rtol=1e-5)
+
+
 def _trained_bayesian_model(optimizer):
     """A 3-4-4-1 tanh net in a BayesianModel, trained two epochs with ``optimizer``."""
     keras.utils.set_random_seed(3)

@@ -242,8 +242,11 @@ def _posterior_samplers(model, optimizer):
         if k in covered:
             continue
         try:
-            optimizer._get_variable_index(variable)
-        except KeyError:            # not trained by the optimizer: its current value, as in predict
+            index = optimizer._get_variable_index(variable)
+        except KeyError:
+            index = None
+        if index is None or optimizer._point[index]:
+            # not trained by the optimizer, or a point estimate: its current value, as in predict
             samplers.append(_Fixed(k, variable.value))
             continue
         mean = optimizer.posterior_mean(variable)
