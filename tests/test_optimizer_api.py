@@ -275,6 +275,11 @@ def test_config_round_trip_and_registered_serialization(method):
     config = optimizer.get_config()
     clone = type(optimizer).from_config(config)
     assert clone.get_config() == config
+    # The constructor's arguments themselves (a key missing from the config passes the line above)
+    for name, value in (("num_examples", 123), ("prior_variance", 0.5), ("kl_weight", 0.3),
+                        ("mc_samples", 2), ("seed", 7)):
+        assert getattr(clone, name) == value, name
+    assert clone.intrinsic_damping == pytest.approx(0.3 / (123 * 0.5))
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     assert type(restored) is type(optimizer) and restored.get_config() == config
 
@@ -285,6 +290,14 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
                                    beta_1=0.8, beta_2=0.9)
     assert by_alias.get_config() | {"name": None} == common.get_config() | {"name": None}
     assert by_alias.intrinsic_damping == pytest.approx(1e-3)
+    # weight_decay is delta = gamma_in, whatever the KL weight (eta = lambda / (N delta))
+    tempered = tfnng.optimizers.IVON(num_examples=200, weight_decay=1e-3, kl_weight=2.0)
+    assert tempered.intrinsic_damping == pytest.approx(1e-3)
+    assert tempered.prior_variance == pytest.approx(2.0 / (200 * 1e-3))
+    # prior_precision is 1 / eta
+    by_precision = tfnng.optimizers.NoisyAdam(num_examples=100, prior_precision=4.0)
+    assert by_precision.prior_variance == pytest.approx(0.25)
+    assert by_precision.intrinsic_damping == pytest.approx(4.0 / 100)
     with pytest.raises(ValueError, match="ess"):
         tfnng.optimizers.IVON(ess=200, num_examples=200)
     for both in ({"beta_1": 0.5, "beta1": 0.8}, {"beta_2": 0.9, "beta2": 0.95}):

@@ -42,6 +42,17 @@ def test_a_seed_fixes_the_draw_and_the_dtype_is_kept():
     assert not np.array_equal(wide, wide.astype(np.float32).astype(np.float64))
 
 
+def test_a_zero_uniform_gives_a_finite_draw():
+    """Philox's float32 uniforms hit 0 with probability 2^-23: the stream of seed [0, 0] does within
+    2^23 draws (one step of an 8M-weight model). The radius takes log(1 - u), finite there, and the
+    tails end at sqrt(-2 log 2^-23) = 5.65 (u <= 1 - 2^-23)."""
+    seed = tf.constant([0, 0], tf.int32)
+    uniforms = tf.random.stateless_uniform((2, 2 ** 22), seed, alg="philox").numpy()
+    assert (uniforms[0] == 0).any()                          # the case is in this stream
+    z = standard_normal((2 ** 23,), seed).numpy()
+    assert np.isfinite(z).all() and np.abs(z).max() <= np.sqrt(-2 * np.log(2.0 ** -23))
+
+
 def test_under_xla_it_is_tensorflows_op():
     xla = tf.function(lambda: standard_normal((50, 4), SEED), jit_compile=True)()
     op_under_xla = tf.function(lambda: tf.random.stateless_normal((50, 4), SEED, alg="philox"),
