@@ -266,6 +266,7 @@ def test_seed_conventions():
         loss.sample(mean, seed=tf.constant([1, 2])), loss.sample(mean, seed=np.array([1, 2]))
     )
     assert not np.array_equal(loss.sample(mean, seed=7), loss.sample(mean, seed=8))
+    np.testing.assert_array_equal(loss.sample(mean, seed=7), loss.sample(mean, seed=[7, 0]))  # documented
     gen_a, gen_b = keras.random.SeedGenerator(5), keras.random.SeedGenerator(5)
     first, second = loss.sample(mean, seed=gen_a), loss.sample(mean, seed=gen_a)
     assert not np.array_equal(first, second)  # the generator advances
@@ -351,9 +352,10 @@ def test_inputs_that_used_to_give_silently_wrong_values_or_internal_errors_are_r
         CategoricalNLL().probabilities(np.zeros((2, 1), np.float32))
     with pytest.raises(ValueError, match="2 examples, y_pred 5"):
         CategoricalNLL().log_prob(np.array([0, 1]), np.zeros((5, 3), np.float32))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="NoisePrecision"):
-        GaussianNLL("learned").call(np.zeros((2, 1)),
-                                    np.array([[0.0, -1.0, 1.0], [0.0, 1.0, 1.0]], np.float32))
+    for alpha, beta in ((-1.0, 1.0), (0.0, 1.0), (1.0, 0.0)):         # positive, not non-negative
+        with pytest.raises(tf.errors.InvalidArgumentError, match="NoisePrecision"):
+            GaussianNLL("learned").call(np.zeros((2, 1)),
+                                        np.array([[0.0, alpha, beta], [0.0, 1.0, 1.0]], np.float32))
 
 
 @pytest.mark.parametrize(
