@@ -130,3 +130,34 @@ def test_two_models_sharing_a_layer_record_side_by_side_in_two_threads():
         d_out = 2 * h if i == 0 else 2 * (h @ head.kernel.numpy() + head.bias.numpy()) @ head.kernel.numpy().T
         np.testing.assert_allclose(grad.numpy(), d_out * (1 - h ** 2), rtol=1e-5, atol=1e-7)
     assert "call" not in shared.__dict__ and shared.__dict__["activation"] is before["activation"]
+
+
+def test_a_dense_with_a_frozen_bias_and_a_trainable_kernel_falls_back():
+    """A Dense whose bias alone is frozen is not Kronecker-captured (its [W; b] holds a bias nobody trains)."""
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh", name="part"),
+                            keras.layers.Dense(2, name="full")])
+    net.get_layer("part").bias.trainable = False
+    specs, fallback = cap.find_layers(net)
+    assert [s.layer.name for s in specs] == ["full"]
+    assert [layer.name for layer in fallback] == ["part"]
+
+
+def test_a_nested_recording_of_a_second_model_sharing_a_layer_restores_the_outer_one():
+    """Recording model 2 inside model 1's recording (one thread) leaves model 1 capturing the shared layer."""
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(3, activation="tanh", name="shared")
+    outer = keras.Sequential([keras.Input((2,)), shared, keras.layers.Dense(1, name="head")])
+    inner = keras.Sequential([keras.Input((2,)), shared])
+    captures = [cap.LayerCapture(outer), cap.LayerCapture(inner)]
+    x = tf.constant([[1.0, 2.0], [0.5, -1.0]])
+    with tf.GradientTape() as tape:
+        with captures[0].recording(tape):
+            with captures[1].recording(tape):
+                inner(-x)
+            loss = tf.reduce_sum(outer(x))
+        record = captures[0].captured()[captures[0].specs[0].name]
+    np.testing.assert_allclose(record.inputs.numpy(), x.numpy())
+    h = np.tanh(x.numpy() @ shared.kernel.numpy() + shared.bias.numpy())
+    head = outer.get_layer("head").kernel.numpy()[:, 0]
+    np.testing.assert_allclose(tape.gradient(loss, record.zero).numpy(), head * (1 - h ** 2), rtol=1e-5)
+    assert "call" not in shared.__dict__

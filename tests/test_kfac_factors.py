@@ -416,3 +416,19 @@ def test_example_gradient_norm_bounds_hold_and_are_tight_for_aligned_inputs(case
     assert np.all(norms <= bounds * (1 + 1e-12))
     if values == "ones" and case in ("dense", "dense_sequence", "dense_no_bias", "conv0"):
         np.testing.assert_allclose(norms, bounds, rtol=0.3 if case == "conv0" else 1e-12)
+
+
+def test_cross_factors_are_the_batch_means_of_the_outer_products():
+    """Block-tridiagonal cross factors (A_12, S_12) = (a_1^T a_2 / B, Ds_1^T Ds_2 / B) against numpy."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,), dtype="float64")
+    hidden = keras.layers.Dense(4, activation="tanh", dtype="float64")(inputs)
+    net = keras.Model(inputs, keras.layers.Dense(2, dtype="float64")(hidden))
+    spec_1, spec_2 = cap.LayerCapture(net).specs
+    rng = np.random.default_rng(0)
+    x1, g1, x2, g2 = (rng.normal(size=(6, d)) for d in (3, 4, 4, 2))
+    a12, s12 = (t.numpy() for t in kfac_factors.cross_factors(
+        spec_1, tf.constant(x1), tf.constant(g1), spec_2, tf.constant(x2), tf.constant(g2)))
+    a1, a2 = np.hstack([x1, np.ones((6, 1))]), np.hstack([x2, np.ones((6, 1))])
+    np.testing.assert_allclose(a12, a1.T @ a2 / 6, rtol=1e-12)
+    np.testing.assert_allclose(s12, g1.T @ g2 / 6, rtol=1e-12)
