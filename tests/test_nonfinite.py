@@ -312,3 +312,43 @@ def test_overflowing_per_example_products_are_skipped(make):
     stddev = optimizer.posterior_stddev(kernel).numpy()
     assert np.all(np.isfinite(stddev)) and np.all(stddev > 0)
     assert np.all(optimizer.posterior_mean(kernel).numpy() != mean)
+
+
+def test_skipped_nan_target_batch_leaves_the_true_fisher_factors_unchanged():
+    """A NaN target skips the update: the true Fisher's (finite, sampled-target) statistics change no factor."""
+    keras.utils.set_random_seed(0)
+    x, y = regression_data()
+    y[20] = np.nan                                   # only the second batch of 16 is bad
+    model = tfnng.BayesianModel(small_net())
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=len(x), stats_every=1,
+                                           inverse_every=1, seed=0)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
+    recorder = StateRecorder()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[recorder])
+    assert optimizer.skipped_updates == 1
+    after_good, after_bad, _ = recorder.states
+    assert_same_state(after_good, after_bad, ignore=SKIP_CHANGES)
+
+
+def test_factor_overflowing_in_its_sum_is_not_averaged_in():
+    """Two inputs of 1.5e19 pass the step's guard but A = x^T x / B overflows: the factors stay as they were."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 3)).astype("float32")
+    x[0, 0] = x[1, 0] = 1.5e19                         # x^2 sums to 4.5e38 > float32 max
+    y = rng.integers(0, 2, 8)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                            keras.layers.Dense(2)])
+    capture = cap.LayerCapture(net)
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=1e-2, num_examples=100, stats_every=1,
+                                           inverse_every=1, seed=0)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    before = posterior_state(optimizer)
+    curvature_step(net, capture, optimizer, x, y)
+    after = posterior_state(optimizer)
+    paths = [p for p in before if p.endswith(("_a", "_s", "_a_inv", "_s_inv", "stats_count"))]
+    assert len(paths) == 9
+    for path in paths:
+        np.testing.assert_array_equal(before[path], after[path], err_msg=path)
+    assert optimizer.inverse_failures == 0
