@@ -596,3 +596,136 @@ def test_empirical_fisher_is_the_likelihoods_without_the_nets_penalties(penalty,
     ds = np.array(ds)
     np.testing.assert_allclose(s_factor, ds.T @ ds / len(x), rtol=1e-10, atol=1e-14)
     assert net.losses          # the penalty is there, and in the training loss
+
+
+def test_tempered_posterior_scales_the_covariance_by_the_kl_weight(float64_keras):
+    """kl_weight lambda != 1: variance eta before data, then the MVG (lambda/N) [A^g_in]^-1, [S^g_in]^-1."""
+    n, eta, lam = 100, 0.3, 0.5
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = tfnng.optimizers.NoisyKFAC(num_examples=n, prior_variance=eta, kl_weight=lam, seed=0)
+    capture = cap.LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    layer = net.layers[0]
+    np.testing.assert_allclose(optimizer.layer_posterior(layer)["marginal_variance"].numpy(), eta, rtol=1e-9)
+    rng = np.random.default_rng(0)
+    optimizer._update_factors({capture.specs[0].name: cap.CapturedLayer(
+        inputs=tf.constant(rng.normal(size=(6, 3))), zero=None,
+        preactivation_grads=tf.constant(rng.normal(size=(6, 2))))})
+    optimizer._update_inverses()
+    block = optimizer._blocks[0]
+    a, s = block.state["a"].numpy(), block.state["s"].numpy()
+    g_in = lam / (n * eta)
+    pi = np.sqrt((np.trace(a) / 4) / (np.trace(s) / 2))
+    sigma_1 = lam / n * np.linalg.inv(a + pi * np.sqrt(g_in) * np.eye(4))
+    sigma_2 = np.linalg.inv(s + np.sqrt(g_in) / pi * np.eye(2))
+    np.testing.assert_allclose(optimizer.layer_posterior(layer)["sigma_1"].numpy(), sigma_1, rtol=1e-9)
+    stddev = np.sqrt(np.outer(np.diag(sigma_1), np.diag(sigma_2)))      # rows: kernel, then bias
+    np.testing.assert_allclose(optimizer.posterior_stddev(layer.kernel).numpy(), stddev[:-1], rtol=1e-9)
+    np.testing.assert_allclose(optimizer.posterior_stddev(layer.bias).numpy(), stddev[-1], rtol=1e-9)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=20, stats_every=1,
+                                        inverse_every=1, momentum=0.9, seed=2), 1 / 20, 1 / 20 + 1e-3),
+    lambda: (tfnng.optimizers.KFAC(learning_rate=0.1, stats_every=1, inverse_every=1, damping=0.01,
+                                   l2=0.5), 0.5, 0.51)], ids=["noisy_momentum", "kfac_l2"])
+def test_first_step_with_momentum_and_l2_matches_numpy(make, float64_keras):
+    """First mean step -alpha A_g^-1 (G + c W) S_g^-1: bias-corrected momentum; KFAC l2 as decay and damping."""
+    keras.utils.set_random_seed(2)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 2))
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer, c, gamma = make()
+    capture = cap.LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    loss = tfnng.losses.GaussianNLL(0.5)
+    _, _, grads, captured = tfnng.models.gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    before = np.vstack([net.layers[0].kernel.numpy(), net.layers[0].bias.numpy()[None]])
+    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+    block = optimizer._blocks[0]
+    a, s = block.state["a"].numpy(), block.state["s"].numpy()
+    pi = np.sqrt((np.trace(a) / 4) / (np.trace(s) / 2))
+    a_g, s_g = a + pi * np.sqrt(gamma) * np.eye(4), s + np.sqrt(gamma) / pi * np.eye(2)
+    v = np.vstack([grads[0].numpy(), grads[1].numpy()[None]]) + c * before
+    after = np.vstack([optimizer.posterior_mean(net.layers[0].kernel).numpy(),
+                       optimizer.posterior_mean(net.layers[0].bias).numpy()[None]])
+    np.testing.assert_allclose(after - before, -0.1 * np.linalg.inv(a_g) @ v @ np.linalg.inv(s_g), rtol=1e-9)
+
+
+def test_config_round_trip_keeps_every_non_default_constructor_argument():
+    """from_config(get_config()) gives an optimizer whose attributes equal the non-default arguments."""
+    kwargs = dict(num_examples=7, hess_init=0.5, inverse_warmup=False, factor_prior_count=2,
+                  stats_every=3, inverse_every=6, kl_weight=0.5, prior_variance=0.3, momentum=0.9)
+    clone = tfnng.optimizers.NoisyKFAC.from_config(tfnng.optimizers.NoisyKFAC(**kwargs).get_config())
+    assert {k: getattr(clone, k) for k in kwargs} == kwargs
+    clone = keras.optimizers.deserialize(keras.optimizers.serialize(tfnng.optimizers.KFAC(
+        l2=0.01, damping=0.1, inverse_warmup=False)))
+    assert (clone.l2, clone.damping, clone.inverse_warmup) == (0.01, 0.1, False)
+
+
+def test_diagonal_fallback_step_is_damped_by_gamma_in_plus_gamma_ex(float64_keras):
+    """The Alg. 1 fallback step is alpha (g + gamma_in w) / (f + gamma_in + gamma_ex), gamma_ex = 0.5."""
+    keras.utils.set_random_seed(4)
+    x, y = classification_data(n=16)
+    net = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                            keras.layers.Dense(2)])
+    capture = cap.LayerCapture(net)
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=1e-2, num_examples=100, extrinsic_damping=0.5,
+                                           seed=4)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    gamma = net.layers[1].gamma
+    _, _, grads, curvature = tfnng.models.gradients_and_curvature(
+        net, capture, optimizer, tfnng.losses.CategoricalNLL(), tf.constant(x), tf.constant(y))
+    g = grads[[v is gamma for v in net.trainable_variables].index(True)].numpy()
+    w = gamma.numpy()                                        # the first sample is the initial mean
+    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+    f = (1 - optimizer.stat_decay) * optimizer.hess_init + optimizer.stat_decay * g ** 2
+    step = 1e-2 * (g + optimizer.intrinsic_damping * w) / (f + optimizer.intrinsic_damping + 0.5)
+    np.testing.assert_allclose(w - optimizer.posterior_mean(gamma).numpy(), step, rtol=1e-9)
+
+
+def _float64_mlp_and_optimizer(**kwargs):
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)])
+    capture = cap.LayerCapture(net)
+    optimizer = tfnng.optimizers.NoisyKFAC(seed=0, **kwargs)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    return net, capture, optimizer
+
+
+def test_statistics_and_inverse_schedule_with_warm_up(float64_keras):
+    """stats_every=2, inverse_every=10: statistics at even updates, inverses at 0, 2, 4, 6, 8 (warm-up)."""
+    net, capture, optimizer = _float64_mlp_and_optimizer(num_examples=50, stats_every=2, inverse_every=10)
+    rng, block = np.random.default_rng(0), optimizer._blocks[0]
+    due, stats_changed, inverse_changed = [], [], []
+    for k in range(10):
+        x, y = rng.normal(size=(8, 3)), rng.integers(0, 2, 8)
+        due.append(bool(optimizer.curvature_due()))
+        a, a_inv = block.state["a"].numpy().copy(), block.state["a_inv"].numpy().copy()
+        _, _, grads, captured = tfnng.models.gradients_and_curvature(
+            net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
+        optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+        stats_changed.append(not np.array_equal(a, block.state["a"].numpy()))
+        inverse_changed.append(not np.array_equal(a_inv, block.state["a_inv"].numpy()))
+    assert due == stats_changed == [k % 2 == 0 for k in range(10)]
+    assert inverse_changed == [k in (0, 2, 4, 6, 8) for k in range(10)]
+
+
+def test_due_inverse_update_waits_for_the_last_evaluation_of_an_mc_group(float64_keras):
+    """mc_samples=2: the sampling cache is unchanged after a group's 1st evaluation, refreshed after its 2nd."""
+    net, capture, optimizer = _float64_mlp_and_optimizer(num_examples=16, stats_every=1, inverse_every=1,
+                                                         mc_samples=2)
+    rng, block = np.random.default_rng(0), optimizer._blocks[0]
+    root = block.state["a_root"].numpy().copy()
+    changed = []
+    for _ in range(2):
+        x, y = rng.normal(size=(8, 3)), rng.integers(0, 2, 8)
+        _, _, grads, captured = tfnng.models.gradients_and_curvature(
+            net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
+        optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+        changed.append(not np.array_equal(root, block.state["a_root"].numpy()))
+    assert changed == [False, True]
