@@ -184,17 +184,19 @@ def test_natural_step_keeps_only_the_outputs_whose_step_is_invalid():
     np.testing.assert_allclose(new[:, 1], [6.0, 2.0], rtol=1e-12)
 
 
-def test_tfnng_optimizer_takes_the_natural_gradient_step():
+@pytest.mark.parametrize("learning_rate", [0.25, 1.5])
+def test_tfnng_optimizer_takes_the_natural_gradient_step(learning_rate):
     # Inside model.fit, a tfnng optimizer moves q(tau) by v <- v - min(lr, 1) N g: with a predicted
-    # mean fixed at zero (the input is zero), each full-batch step is the conjugate update above.
+    # mean fixed at zero (the input is zero), each full-batch step is the conjugate update above
+    # (at lr 1.5, the step of size 1 that lands on the posterior, not past it).
     # N is the layer's own (the N its KL term is divided by), not the optimizer's: an optimizer told
     # another N still lands on the layer's posterior.
     y, a_n, b_n = _known_mean_problem()
     n = len(y)
     net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False),
                             NoisePrecision(n)])
-    rho = 0.25
-    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=rho, num_examples=10 * n),
+    rho = min(learning_rate, 1.0)
+    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=learning_rate, num_examples=10 * n),
                 loss=GaussianNLL("learned"))
     layer = net.layers[-1]
     alpha, beta = 6.0, 2.0

@@ -485,7 +485,22 @@ def test_point_estimates_take_a_bias_corrected_adam_step(method, mc_samples):
         g = 2 * (c - float(y.mean()))
         m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g**2
         c -= lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-7)
-        assert float(net.layers[-1].offset) == pytest.approx(c, rel=1e-5)
+        offset = net.layers[-1].offset
+        assert float(offset) == pytest.approx(c, rel=1e-5)
+        # its posterior is the point mass at its value
+        assert float(optimizer.posterior_mean(offset)) == float(offset)
+        assert float(optimizer.posterior_stddev(offset)) == 0.0
+
+
+def test_schedules_see_posterior_updates_not_gradient_evaluations():
+    """mc_samples = 2: six evaluations are three updates, so the rate is schedule(3), not schedule(6)."""
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    weights = tf.Variable([0.5, -0.5])
+    optimizer = tfnng.optimizers.Vprop(schedule, num_examples=10, mc_samples=2, seed=0)
+    for _ in range(6):
+        optimizer.apply_gradients([(tf.ones_like(weights), weights)])
+    assert int(optimizer.iterations) == 6
+    assert float(optimizer.learning_rate) == pytest.approx(0.1 * 0.5**3)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
