@@ -212,6 +212,11 @@ class Vadam(NoisyOptimizer):
 
         m <- beta_1 m + (1 - beta_1)(g + gamma_in mu)     s <- beta_2 s + (1 - beta_2) g^2
         mu <- mu - alpha m_hat / (sqrt(s_hat) + gamma_in)   (m_hat, s_hat bias-corrected)
+
+    ``hess_init``: the initial s, default 0 as in the authors' code (``prec_init = prior_prec``): the
+    first weight samples come from the prior, since sampling uses s without bias correction. With
+    many examples and a wide prior these first samples can be far off; ``hess_init=1`` starts with
+    small noise instead, as :class:`NoisyAdam` and :class:`Vprop` do by default.
     """
 
     def __init__(self, learning_rate=1e-3, num_examples=None, beta_1=0.9, beta_2=0.999,
