@@ -96,6 +96,19 @@ def test_fast_eig_is_exact_when_the_factor_is_narrow():
     np.testing.assert_allclose(reconstructed, columns @ columns.T, atol=1e-10)
 
 
+@pytest.mark.parametrize("method", ["exact", "randomized"])
+def test_fast_eig_of_a_rank_deficient_factor_gives_zero_pairs_beyond_its_rank(method):
+    """F of rank 3 with zero columns (SLANG's [U, G] while U = 0), rank 6: as documented, the last 3
+    eigenvalues are 0 with zero (not NaN) columns; the first 3 are those of F F^T."""
+    rng = np.random.default_rng(0)
+    factors = np.concatenate([rng.normal(size=(40, 3)), np.zeros((40, 17))], axis=1)
+    values, vectors = (t.numpy() for t in low_rank.fast_eig(factors, 6, method=method, seed=1))
+    np.testing.assert_allclose(values[:3], np.sort(np.linalg.eigvalsh(factors.T @ factors))[::-1][:3],
+                               rtol=1e-8)
+    np.testing.assert_array_equal(values[3:], 0.0)
+    np.testing.assert_array_equal(vectors[:, 3:], 0.0)
+
+
 def test_fast_eig_rejects_a_rank_larger_than_the_factor_and_unknown_methods():
     with pytest.raises(ValueError, match="rank"):
         low_rank.fast_eig(np.ones((5, 2)), 3)
