@@ -70,3 +70,27 @@ def test_fisher_requires_bayesian_model_and_valid_type():
                 loss=tfnng.losses.GaussianNLL())
     with pytest.raises(ValueError, match="BayesianModel"):
         net.fit(np.zeros((4, 2)), np.zeros((4, 1)), verbose=0)
+
+
+def test_layer_without_per_example_path_falls_back_to_the_squared_batch_gradient():
+    """BatchNormalization's gamma has no fast per-example path: f = beta_2 f_0 + (1 - beta_2) g^2, g the tape gradient."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3))
+    y = rng.normal(size=(16, 1))
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((3,), dtype="float64"),
+                            keras.layers.Dense(4, activation="tanh", dtype="float64"),
+                            keras.layers.BatchNormalization(dtype="float64"),
+                            keras.layers.Dense(1, dtype="float64")])
+    loss = tfnng.losses.GaussianNLL(noise_variance=0.5)
+    gamma = net.layers[1].gamma
+    with tf.GradientTape() as tape:
+        mean_nll = tf.reduce_mean(loss.call(y, net(x, training=True)))
+    g = tape.gradient(mean_nll, gamma).numpy()
+    model = tfnng.BayesianModel(net)
+    optimizer = tfnng.optimizers.NoisyAdam(learning_rate=0.0, num_examples=100, beta_2=0.9,
+                                           hess_init=1.0, fisher="true", seed=0)
+    model.compile(optimizer=optimizer, loss=loss)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    fisher = optimizer._slot("fisher", optimizer._get_variable_index(gamma)).numpy()
+    np.testing.assert_allclose(fisher - 0.9 * 1.0, 0.1 * g ** 2, rtol=1e-4, atol=1e-9)

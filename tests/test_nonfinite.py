@@ -352,3 +352,21 @@ def test_factor_overflowing_in_its_sum_is_not_averaged_in():
     for path in paths:
         np.testing.assert_array_equal(before[path], after[path], err_msg=path)
     assert optimizer.inverse_failures == 0
+
+
+@pytest.mark.parametrize("nan_at", [0, 1])
+def test_skipped_evaluation_is_neither_summed_nor_counted_in_an_mc_group(nan_at):
+    """mc_samples=2: a NaN evaluation is skipped whole; each update uses the mean of two finite gradients."""
+    finite = [np.array([1.0, -2.0]), np.array([3.0, 0.5]), np.array([-1.0, 4.0]), np.array([2.0, 2.0])]
+    grads = finite[:nan_at] + [np.array([np.nan, 1.0])] + finite[nan_at:]
+    w = tf.Variable([0.5, -0.5], dtype=tf.float64)
+    optimizer = tfnng.optimizers.Vprop(learning_rate=0.1, num_examples=10, mc_samples=2, seed=0)
+    for g in grads:
+        optimizer.apply_gradients([(tf.constant(g, tf.float64), w)])
+    assert optimizer.skipped_updates == 1
+    assert int(optimizer._update_count.numpy()) == 2
+    mu, s, damping, beta_2 = np.array([0.5, -0.5]), np.ones(2), optimizer.intrinsic_damping, 0.999
+    for g in (np.mean(finite[:2], axis=0), np.mean(finite[2:], axis=0)):
+        s = beta_2 * s + (1 - beta_2) * g ** 2
+        mu = mu - 0.1 * (g + damping * mu) / (np.sqrt(s) + damping)
+    np.testing.assert_allclose(optimizer.posterior_mean(w).numpy(), mu, rtol=1e-6)

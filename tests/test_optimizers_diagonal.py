@@ -229,3 +229,29 @@ def test_default_hess_init_starts_with_small_noise_on_a_large_data_set(name, wid
     net.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
     losses = net.fit(batches, steps_per_epoch=1, epochs=10, verbose=0).history["loss"]
     assert max(losses) < 5.0, losses
+
+
+def test_point_estimate_takes_adam_steps_on_the_monte_carlo_average_gradient():
+    """A mark_point_estimate variable with mc_samples=3 is fitted by Adam on the mean of unequal gradients."""
+    w = tf.Variable(np.full(C.shape, 0.2), dtype=tf.float64)
+    c = tfnng.mark_point_estimate(tf.Variable([0.3, -0.1], dtype=tf.float64))
+    optimizer = tfnng.optimizers.NoisyAdam(learning_rate=0.1, mc_samples=3, **COMMON)
+    groups = np.array([[[1.0, -2.0], [3.0, 0.5], [-0.5, 4.0]], [[2.0, 1.0], [-4.0, 0.0], [0.5, -3.0]]])
+    for group in groups:
+        for g in group:
+            optimizer.apply_gradients([(tf.constant(loss_grad(w.numpy())), w), (tf.constant(g), c)])
+    lr, m, v, want = float(np.float32(0.1)), 0.0, 0.0, np.array([0.3, -0.1])
+    for t, g in enumerate(groups.mean(axis=1), start=1):
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g ** 2
+        want = want - lr * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-7)
+    np.testing.assert_allclose(c.numpy(), want, rtol=1e-9)
+
+
+def test_vadagrad_rejects_tau_times_beta_above_one():
+    """tau * beta > 1 would make s = (1 - tau beta) s + beta g^2 negative; tau * beta = 1 gives s = beta g^2."""
+    with pytest.raises(ValueError, match="tau \\* beta"):
+        tfnng.optimizers.VadaGrad(0.01, num_examples=10, tau=1.0, beta=1.5)
+    w = tf.Variable([0.5, -0.5], dtype=tf.float64)
+    optimizer = tfnng.optimizers.VadaGrad(0.01, num_examples=10, tau=0.5, beta=2.0)
+    optimizer.apply_gradients([(tf.constant([0.3, -2.0], tf.float64), w)])
+    np.testing.assert_allclose(optimizer._slot("squared_grad_sum", 0).numpy(), 2.0 * np.array([0.09, 4.0]))
