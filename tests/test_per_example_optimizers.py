@@ -6,6 +6,7 @@ N(mu*, Lambda^-1), Lambda = X^T X / s2 + I / eta; its optimal mean-field Gaussia
 (docs/math.md). The design below has correlated columns, so the two differ.
 """
 
+import json
 import logging
 
 import keras
@@ -365,10 +366,13 @@ def example_gradients(w, x, y):
     return x * ((y[:, 0] - x @ w) / NOISE_VAR)[:, None]
 
 
-def noisy_steps(optimizer, eps):
+def noisy_steps(optimizer, eps, initial_mean=None):
     """Train on ``reference_batches`` with the weight noise ``eps`` (one draw per step, all of them
-    used), yielding ``(t, x, y, net)`` after each step t."""
+    used), from the kernel ``initial_mean`` (default zeros), yielding ``(t, x, y, net)`` after each
+    step t."""
     net = linear_net()
+    if initial_mean is not None:
+        net.layers[0].kernel.assign(np.asarray(initial_mean)[:, None])
     step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR, dtype=F64),
                      compiled=False)       # eager: the fixed noise is read at every step
     queue = list(eps)
@@ -379,9 +383,9 @@ def noisy_steps(optimizer, eps):
     assert not queue
 
 
-def run_optimizer(optimizer, eps):
+def run_optimizer(optimizer, eps, initial_mean=None):
     means = [optimizer.posterior_mean(net.trainable_variables[0]).numpy()[:, 0]
-             for _, _, _, net in noisy_steps(optimizer, eps)]
+             for _, _, _, net in noisy_steps(optimizer, eps, initial_mean)]
     return np.array(means), optimizer
 
 
@@ -394,14 +398,16 @@ GAMMA = KL_WEIGHT / (N * ETA)     # intrinsic damping with this kl_weight
 SCALE = KL_WEIGHT / N             # covariance = SCALE * P^-1
 
 
-@pytest.mark.parametrize("momentum", [0.6, 0.0])
-def test_vogn_equals_numpy_reference_with_natural_momentum(momentum):
+@pytest.mark.parametrize("momentum,initial_mean", [(0.6, np.zeros(D)), (0.0, np.zeros(D)),
+                                                   (0.6, np.array([0.4, -0.3, 0.8]))])
+def test_vogn_equals_numpy_reference_with_natural_momentum(momentum, initial_mean):
+    """Also from a nonzero mean, where a first step with momentum would show (mu_prev is mu_0)."""
     eps = list(np.random.default_rng(2).normal(size=(STEPS, D, 1)))
     means, optimizer = run_optimizer(tfnng.optimizers.VOGN(momentum=momentum, **common_kwargs()),
-                                     eps)
+                                     eps, initial_mean)
     # mu_prev is state only with momentum: without it VOGN keeps the mean and s per weight
     assert any("previous_mean" in v.path for v in optimizer.variables) == (momentum > 0)
-    mu, prev, s, w = np.zeros(D), np.zeros(D), np.full(D, H0), np.zeros(D)
+    mu, prev, s, w = initial_mean, initial_mean, np.full(D, H0), initial_mean
     expected = []
     for t, (x, y) in enumerate(reference_batches()):
         g_i = example_gradients(w, x, y)
@@ -860,3 +866,48 @@ def test_layers_sharing_a_name_keep_their_statistics_after_a_freeze_and_recompil
     for layer, squares in zip((net.b, net.c), expected):
         curvature = optimizer._slot("hessian", optimizer._get_variable_index(layer.kernel)).numpy()
         np.testing.assert_allclose(curvature, squares, rtol=1e-4)
+
+
+def test_slang_below_full_rank_reports_and_samples_its_dense_covariance():
+    """Rank 1 < D: posterior_stddev and the sampler's root R (c R R^T) against the numpy covariance
+    c (U U^T + diag d)^-1, c = lambda / N."""
+    x, y, _, _ = regression_data()
+    net = linear_net()
+    optimizer = tfnng.optimizers.SLANG(0.1, num_examples=N, rank=1, beta=0.3, prior_variance=ETA,
+                                       fisher="empirical", seed=0)
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
+    for k in range(5):
+        step(x[10 * k:10 * (k + 1)], y[10 * k:10 * (k + 1)])
+    u, d = optimizer._low_rank.numpy(), optimizer._diagonal.numpy()
+    covariance = np.linalg.inv(u @ u.T + np.diag(d)) / N
+    assert np.abs(covariance[0, 1]) > 0.1 * np.sqrt(covariance[0, 0] * covariance[1, 1])   # correlated
+    np.testing.assert_allclose(optimizer.posterior_stddev(net.trainable_variables[0]).numpy()[:, 0],
+                               np.sqrt(np.diag(covariance)), rtol=1e-10)
+    root = optimizer.perturb(optimizer.sampling_state(), tf.eye(D, dtype=tf.float64)).numpy()
+    np.testing.assert_allclose(root @ root.T / N, covariance, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("make", [
+    lambda beta: tfnng.optimizers.NoisyNaturalGradient(
+        1e-2, num_examples=10, beta=beta, max_parameters=20000, fisher="empirical", hess_init=0.3),
+    lambda beta: tfnng.optimizers.SLANG(
+        1e-2, num_examples=10, beta=beta, rank=3, eig_method="randomized", oversampling=4,
+        power_iterations=1, fisher="empirical", hess_init=0.3),
+    lambda beta: tfnng.optimizers.VOGN(1e-2, num_examples=10, beta=beta, fisher="empirical",
+                                       hess_init=0.3)], ids=["nng", "slang", "vogn"])
+def test_config_round_trip_keeps_every_argument_and_a_beta_schedule(make):
+    """The clone's attributes are the constructor's (a key missing from the config would pass a
+    config-to-config comparison); a beta schedule survives as a JSON config."""
+    optimizer = make(0.2)
+    restored = type(optimizer).from_config(optimizer.get_config())
+    names = {tfnng.optimizers.NoisyNaturalGradient: ("max_parameters",),
+             tfnng.optimizers.SLANG: ("rank", "eig_method", "oversampling", "power_iterations")
+             }.get(type(optimizer), ())
+    for name in names + ("fisher", "hess_init", "beta"):
+        assert getattr(restored, name) == getattr(optimizer, name), name
+    assert (restored.fisher, restored.hess_init) == ("empirical", 0.3)
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([10], [0.5, 0.1])
+    config = json.loads(json.dumps(make(schedule).get_config()))
+    restored = type(optimizer).from_config(config)
+    assert isinstance(restored.beta, keras.optimizers.schedules.PiecewiseConstantDecay)
+    np.testing.assert_allclose([float(restored.beta(step)) for step in (0, 20)], [0.5, 0.1], rtol=1e-6)
