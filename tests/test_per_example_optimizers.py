@@ -320,6 +320,12 @@ def test_repeated_variable_paths_keep_each_variable_its_own_statistics_and_poste
     kfac.prepare_curvature(LayerCapture(net).specs)
     kfac.build(variables)
     assert len(kfac.posterior().model) == 2 + 4         # two MVG layers, four diagonal LN variables
+    for flat in (tfnng.optimizers.SLANG(num_examples=10, rank=1),
+                 tfnng.optimizers.NoisyNaturalGradient(num_examples=10)):
+        flat.prepare_curvature(LayerCapture(net).specs)
+        flat.build(variables)
+        names = [name for name, _ in flat.posterior_layout()]
+        assert len(set(names)) == len(names) == len(variables)
 
 
 class TiedDecoder(keras.layers.Layer):
@@ -669,10 +675,10 @@ def test_bad_arguments_raise_clear_errors():
         plain.fit(np.zeros((4, 3)), np.zeros((4, 1)), verbose=0)
 
 
-@pytest.mark.parametrize("beta", [3.0, -0.5])
+@pytest.mark.parametrize("beta", [3.0, -0.5, 0.0])
 def test_beta_schedules_outside_the_unit_interval_stop_training(beta):
     """A schedule was never checked: 3.0 made the curvature negative (NaN loss, blamed on the
-    gradients), -0.5 made it grow without bound, silently."""
+    gradients), -0.5 made it grow without bound, silently; 0 would never update it."""
     schedule = keras.optimizers.schedules.PolynomialDecay(beta, 100, end_learning_rate=beta)
     model = tfnng.BayesianModel(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
     model.compile(optimizer=tfnng.optimizers.VOGN(1e-2, num_examples=8, beta=schedule),
