@@ -449,12 +449,16 @@ def test_noisy_natural_gradient_equals_numpy_reference_of_nng_eq_9_10():
                                np.sqrt(np.diag(covariance)), rtol=1e-6)
 
 
-def test_noisy_natural_gradient_averages_mc_samples_before_each_update():
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_noisy_natural_gradient_averages_mc_samples_before_each_update(scheduled):
     """mc_samples = 2: each update uses the averages of gradient, sample and G^T G / B over two
-    evaluations, each at its own weight sample (the curvature estimate has a fixed shape)."""
+    evaluations, each at its own weight sample (the curvature estimate has a fixed shape). A beta
+    schedule sees updates: update k uses beta(k), not beta(evaluations)."""
+    betas = [BETA, 0.5, 0.35] if scheduled else [BETA] * 3          # 6 evaluations, 3 updates
+    beta = keras.optimizers.schedules.PiecewiseConstantDecay([0, 1], betas) if scheduled else BETA
     eps = list(np.random.default_rng(4).normal(size=(STEPS, D)))
-    means, _ = run_optimizer(tfnng.optimizers.NoisyNaturalGradient(mc_samples=2, **common_kwargs()),
-                             eps)
+    means, _ = run_optimizer(tfnng.optimizers.NoisyNaturalGradient(
+        mc_samples=2, **{**common_kwargs(), "beta": beta}), eps)
     mu, fisher, w = np.zeros(D), H0 * np.eye(D), np.zeros(D)
     chol = np.linalg.cholesky(fisher + GAMMA * np.eye(D))
     expected, group = [], []
@@ -463,8 +467,8 @@ def test_noisy_natural_gradient_averages_mc_samples_before_each_update():
         group.append((-g_i.mean(0), w, g_i.T @ g_i / B))
         if len(group) == 2:
             g, weight, curvature = (np.mean(parts, axis=0) for parts in zip(*group))
-            group = []
-            fisher = (1 - BETA) * fisher + BETA * curvature
+            group, beta_k = [], betas[t // 2]
+            fisher = (1 - beta_k) * fisher + beta_k * curvature
             mu = mu - LR * np.linalg.solve(fisher + (GAMMA + GAMMA_EX) * np.eye(D), g + GAMMA * weight)
             chol = np.linalg.cholesky(fisher + GAMMA * np.eye(D))
         w = mu + np.sqrt(SCALE) * np.linalg.solve(chol.T, eps[t])
