@@ -803,16 +803,19 @@ def test_slang_float32_diagonal_stays_positive_on_raw_scale_inputs():
     lambda: tfnng.optimizers.NoisyNaturalGradient(0.1, num_examples=N, fisher="empirical"),
 ])
 def test_layers_on_the_generic_path_are_named_once_at_build(make, caplog):
+    """Only layers with Bayesian weights: NoisePrecision's point-estimated q(tau) needs no
+    per-example gradients."""
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.Input((D,), dtype=F64), Wiggle(dtype=F64, name="wiggle"),
-                            keras.layers.Dense(1, dtype=F64, name="out")])
+                            keras.layers.Dense(1, dtype=F64, name="out"),
+                            tfnng.layers.NoisePrecision(N, dtype=F64)])
     optimizer = make()
     with caplog.at_level(logging.INFO, logger="tfnng"):
-        make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR))
+        make_step(net, optimizer, tfnng.losses.GaussianNLL("learned", dtype=F64))
     messages = [r.getMessage() for r in caplog.records if r.name == "tfnng"]
     assert len(messages) == 1 and "generic path" in messages[0], messages
     listed = messages[0].split(" gradients of ")[1].split(" by the generic path")[0].split(", ")
-    assert [path.rsplit("/", 1)[-1] for path in listed] == ["wiggle"], messages   # not "out"
+    assert [path.rsplit("/", 1)[-1] for path in listed] == ["wiggle"], messages   # not "out", "noise_precision"
 
 
 def test_freezing_a_generic_path_layer_after_build_says_why_it_fails():
