@@ -712,6 +712,24 @@ def test_slang_config_round_trip_keeps_the_eigendecomposition_settings():
             restored.power_iterations) == (3, "randomized", 4, 1)
 
 
+def test_slang_passes_its_eigendecomposition_settings_to_the_update(monkeypatch):
+    calls = []
+
+    def recording_update(*args, **kwargs):
+        calls.append({k: kwargs.get(k) for k in ("method", "oversampling", "power_iterations")})
+        return update(*args, **kwargs)
+
+    update = low_rank_posteriors.update
+    monkeypatch.setattr(low_rank_posteriors, "update", recording_update)
+    x, y, _, _ = regression_data()
+    optimizer = tfnng.optimizers.SLANG(1e-2, num_examples=N, rank=1, eig_method="randomized",
+                                       oversampling=0, power_iterations=0, seed=0)
+    step = make_step(linear_net(), optimizer, tfnng.losses.GaussianNLL(noise_variance=NOISE_VAR),
+                     compiled=False)
+    step(x[:10], y[:10])
+    assert calls == [{"method": "randomized", "oversampling": 0, "power_iterations": 0}]
+
+
 # ------------------------------------------------------------------ precision of the reported posterior
 @pytest.mark.parametrize("family", ["slang", "nng"])
 def test_float64_posterior_is_scaled_by_lambda_over_n_without_float32_rounding(family):
