@@ -316,6 +316,10 @@ def test_bad_shapes_raise_clear_errors():
     for targets in (np.zeros((1, 2)), np.zeros((1,))):          # one target, five predictions:
         with pytest.raises(ValueError, match="does not match"):  # not broadcast silently
             GaussianNLL(1.0).log_prob(targets, np.zeros((5, 2 if targets.ndim == 2 else 1)))
+    unknown_width = tf.function(GaussianNLL(1.0).call, input_signature=[   # (batch,) targets
+        tf.TensorSpec((None,)), tf.TensorSpec((None, None))])              # need d known to be 1
+    with pytest.raises(ValueError, match="does not match"):
+        unknown_width.get_concrete_function()
     for loss in (GaussianNLL(1.0), GaussianNLL("learned")):   # a (batch,) output would sum the batch
         with pytest.raises(ValueError, match=r"\(batch, d\)"):
             loss.call(tf.zeros((6,)), tf.zeros((6,)))
