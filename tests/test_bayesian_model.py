@@ -236,26 +236,34 @@ def test_a_float64_mean_step_is_exact_in_float64(kl_clip, float64_keras):
     """NNG Alg. 2's mean step M <- M - alpha [A^g]^-1 (G + gamma_in W) [S^g]^-1, with the KL-clipped
     alpha of App. C.2 eq. 26 when ``kl_clip`` is set. The step size was computed in float32: a
     float64 model's step was off by 1.5e-8 relative (alpha = 0.1)."""
+    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=20, stats_every=1,
+                                           inverse_every=1, kl_clip=kl_clip, seed=2)
+    gradient, before, after = one_dense_step(optimizer)
+    block = optimizer._blocks[0]
+    v = gradient + before / 20                                          # gamma_in = 1/(N eta)
+    direction = block.state["a_inv"].numpy() @ v @ block.state["s_inv"].numpy()
+    alpha = 0.1 if kl_clip is None else min(0.1, np.sqrt(kl_clip / np.sum(direction * v)))
+    assert kl_clip is None or alpha < 0.1                               # the clip is active
+    np.testing.assert_allclose(after - before, -alpha * direction, rtol=1e-12)
+
+
+def one_dense_step(optimizer):
+    """One step of ``optimizer`` on a 3-2 Dense net and a fixed batch (GaussianNLL(0.5)): the
+    gradient, mean before and mean after, each as the (4, 2) matrix [W; b]."""
     keras.utils.set_random_seed(2)
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 2))
     net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=20, stats_every=1,
-                                           inverse_every=1, kl_clip=kl_clip, seed=2)
-    capture = tfnng.curvature.capture.LayerCapture(net)
+    capture = cap.LayerCapture(net)
     optimizer.prepare_curvature(capture.specs)
-    loss = tfnng.losses.GaussianNLL(0.5)
-    _, _, grads, captured = tfnng.models.gradients_and_curvature(net, capture, optimizer, loss, x, y)
-    before = np.vstack([net.layers[0].kernel.numpy(), net.layers[0].bias.numpy()[None]])
+    _, _, grads, captured = tfnng.models.gradients_and_curvature(
+        net, capture, optimizer, tfnng.losses.GaussianNLL(0.5), x, y)
+    layer = net.layers[0]
+    before = np.vstack([layer.kernel.numpy(), layer.bias.numpy()[None]])
     optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
-    block = optimizer._blocks[0]
-    v = np.vstack([grads[0].numpy(), grads[1].numpy()[None]]) + before / 20   # gamma_in = 1/(N eta)
-    direction = block.state["a_inv"].numpy() @ v @ block.state["s_inv"].numpy()
-    alpha = 0.1 if kl_clip is None else min(0.1, np.sqrt(kl_clip / np.sum(direction * v)))
-    assert kl_clip is None or alpha < 0.1                               # the clip is active
-    after = np.vstack([optimizer.posterior_mean(net.layers[0].kernel).numpy(),
-                       optimizer.posterior_mean(net.layers[0].bias).numpy()[None]])
-    np.testing.assert_allclose(after - before, -alpha * direction, rtol=1e-12)
+    after = np.vstack([optimizer.posterior_mean(layer.kernel).numpy(),
+                       optimizer.posterior_mean(layer.bias).numpy()[None]])
+    return np.vstack([grads[0].numpy(), grads[1].numpy()[None]]), before, after
 
 
 def test_sampling_uses_gamma_in_and_the_step_gamma_in_plus_gamma_ex():
@@ -633,24 +641,13 @@ def test_tempered_posterior_scales_the_covariance_by_the_kl_weight(float64_keras
                                    l2=0.5), 0.5, 0.51)], ids=["noisy_momentum", "kfac_l2"])
 def test_first_step_with_momentum_and_l2_matches_numpy(make, float64_keras):
     """First mean step -alpha A_g^-1 (G + c W) S_g^-1: bias-corrected momentum; KFAC l2 as decay and damping."""
-    keras.utils.set_random_seed(2)
-    rng = np.random.default_rng(2)
-    x, y = rng.normal(size=(8, 3)), rng.normal(size=(8, 2))
-    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     optimizer, c, gamma = make()
-    capture = cap.LayerCapture(net)
-    optimizer.prepare_curvature(capture.specs)
-    loss = tfnng.losses.GaussianNLL(0.5)
-    _, _, grads, captured = tfnng.models.gradients_and_curvature(net, capture, optimizer, loss, x, y)
-    before = np.vstack([net.layers[0].kernel.numpy(), net.layers[0].bias.numpy()[None]])
-    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+    gradient, before, after = one_dense_step(optimizer)
     block = optimizer._blocks[0]
     a, s = block.state["a"].numpy(), block.state["s"].numpy()
     pi = np.sqrt((np.trace(a) / 4) / (np.trace(s) / 2))
     a_g, s_g = a + pi * np.sqrt(gamma) * np.eye(4), s + np.sqrt(gamma) / pi * np.eye(2)
-    v = np.vstack([grads[0].numpy(), grads[1].numpy()[None]]) + c * before
-    after = np.vstack([optimizer.posterior_mean(net.layers[0].kernel).numpy(),
-                       optimizer.posterior_mean(net.layers[0].bias).numpy()[None]])
+    v = gradient + c * before
     np.testing.assert_allclose(after - before, -0.1 * np.linalg.inv(a_g) @ v @ np.linalg.inv(s_g), rtol=1e-9)
 
 
