@@ -247,6 +247,13 @@ def test_a_float64_mean_step_is_exact_in_float64(kl_clip, float64_keras):
     np.testing.assert_allclose(after - before, -alpha * direction, rtol=1e-12)
 
 
+def curvature_step(net, capture, optimizer, loss, x, y):
+    """One hand-written training step (BayesianModel.train_step's curvature branch); the gradients."""
+    _, _, grads, captured = tfnng.models.gradients_and_curvature(net, capture, optimizer, loss, x, y)
+    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+    return grads
+
+
 def one_dense_step(optimizer):
     """One step of ``optimizer`` on a 3-2 Dense net and a fixed batch (GaussianNLL(0.5)): the
     gradient, mean before and mean after, each as the (4, 2) matrix [W; b]."""
@@ -256,11 +263,9 @@ def one_dense_step(optimizer):
     net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     capture = cap.LayerCapture(net)
     optimizer.prepare_curvature(capture.specs)
-    _, _, grads, captured = tfnng.models.gradients_and_curvature(
-        net, capture, optimizer, tfnng.losses.GaussianNLL(0.5), x, y)
     layer = net.layers[0]
     before = np.vstack([layer.kernel.numpy(), layer.bias.numpy()[None]])
-    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+    grads = curvature_step(net, capture, optimizer, tfnng.losses.GaussianNLL(0.5), x, y)
     after = np.vstack([optimizer.posterior_mean(layer.kernel).numpy(),
                        optimizer.posterior_mean(layer.bias).numpy()[None]])
     return np.vstack([grads[0].numpy(), grads[1].numpy()[None]]), before, after
@@ -674,11 +679,10 @@ def test_diagonal_fallback_step_is_damped_by_gamma_in_plus_gamma_ex(float64_kera
     optimizer.prepare_curvature(capture.specs)
     optimizer.build(net.trainable_variables)
     gamma = net.layers[1].gamma
-    _, _, grads, curvature = tfnng.models.gradients_and_curvature(
-        net, capture, optimizer, tfnng.losses.CategoricalNLL(), tf.constant(x), tf.constant(y))
-    g = grads[[v is gamma for v in net.trainable_variables].index(True)].numpy()
     w = gamma.numpy()                                        # the first sample is the initial mean
-    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+    grads = curvature_step(net, capture, optimizer, tfnng.losses.CategoricalNLL(), tf.constant(x),
+                           tf.constant(y))
+    g = grads[[v is gamma for v in net.trainable_variables].index(True)].numpy()
     f = (1 - optimizer.stat_decay) * optimizer.hess_init + optimizer.stat_decay * g ** 2
     step = 1e-2 * (g + optimizer.intrinsic_damping * w) / (f + optimizer.intrinsic_damping + 0.5)
     np.testing.assert_allclose(w - optimizer.posterior_mean(gamma).numpy(), step, rtol=1e-9)
@@ -703,9 +707,7 @@ def test_statistics_and_inverse_schedule_with_warm_up(float64_keras):
         x, y = rng.normal(size=(8, 3)), rng.integers(0, 2, 8)
         due.append(bool(optimizer.curvature_due()))
         a, a_inv = block.state["a"].numpy().copy(), block.state["a_inv"].numpy().copy()
-        _, _, grads, captured = tfnng.models.gradients_and_curvature(
-            net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
-        optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+        curvature_step(net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
         stats_changed.append(not np.array_equal(a, block.state["a"].numpy()))
         inverse_changed.append(not np.array_equal(a_inv, block.state["a_inv"].numpy()))
     assert due == stats_changed == [k % 2 == 0 for k in range(10)]
@@ -721,8 +723,6 @@ def test_due_inverse_update_waits_for_the_last_evaluation_of_an_mc_group(float64
     changed = []
     for _ in range(2):
         x, y = rng.normal(size=(8, 3)), rng.integers(0, 2, 8)
-        _, _, grads, captured = tfnng.models.gradients_and_curvature(
-            net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
-        optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=captured)
+        curvature_step(net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
         changed.append(not np.array_equal(root, block.state["a_root"].numpy()))
     assert changed == [False, True]
