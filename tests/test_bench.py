@@ -159,6 +159,15 @@ def test_predictive_samples_reach_the_predictive(tmp_path, monkeypatch):
         uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=1, num_predictive_samples=0)
 
 
+@pytest.mark.parametrize("total_steps", [1, 2, 7, 10])
+def test_learning_rate_decays_for_the_second_half_of_the_updates(total_steps):
+    """NNG App. C.1: the first total_steps // 2 updates (schedule steps from 0) at the full rate."""
+    rates = [float(uci._learning_rate(total_steps)(step)) for step in range(total_steps)]
+    full, decayed = uci.LEARNING_RATE, uci.LEARNING_RATE * uci.LEARNING_RATE_DECAY
+    first_half = max(total_steps // 2, 1)
+    np.testing.assert_allclose(rates, [full] * first_half + [decayed] * (total_steps - first_half))
+
+
 def test_dataset_names_and_aliases():
     assert uci.resolve_dataset("boston") == "bostonHousing"
     assert uci.resolve_dataset("yacht") == "yacht"

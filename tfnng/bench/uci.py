@@ -237,9 +237,10 @@ def normalised_split(x_train, y_train, x_test, y_test):
 
 
 def _learning_rate(total_steps):
-    """NNG App. C.1: ``LEARNING_RATE``, multiplied by ``LEARNING_RATE_DECAY`` for the second half."""
+    """NNG App. C.1: ``LEARNING_RATE``, multiplied by ``LEARNING_RATE_DECAY`` for the second half:
+    the first ``total_steps // 2`` updates (schedule steps 0, 1, ...) take the full rate."""
     return keras.optimizers.schedules.PiecewiseConstantDecay(
-        [max(total_steps // 2, 1)], [LEARNING_RATE, LEARNING_RATE * LEARNING_RATE_DECAY])
+        [max(total_steps // 2 - 1, 0)], [LEARNING_RATE, LEARNING_RATE * LEARNING_RATE_DECAY])
 
 
 # Constructor arguments the protocol fixes for every method (``--mc-samples`` sets mc_samples);
