@@ -1,6 +1,7 @@
 """Tests of the benchmark runner ``python -m tfnng.bench``: UCI data loading and normalisation on a
 synthetic folder, and quick end-to-end runs of the ``uci`` and ``speed`` tasks."""
 
+import argparse
 import json
 import math
 import re
@@ -458,3 +459,338 @@ def test_reliability_plot_draws_no_bar_for_an_empty_bin(tmp_path, monkeypatch):
     kfac_digits.plot_reliability([row], str(tmp_path / "sub" / "r.png"))
     assert drawn == [([0.6, 0.8], [0.5, 1.0])]           # bins (0.6, 0.8] and (0.8, 1]; 3 empty
     assert (tmp_path / "sub" / "r.png").stat().st_size > 0
+
+def _toy_split(y_scale=1.0, y_shift=0.0, repeat_test=1):
+    """A raw 16-row regression problem (12 train, 4 test) as a normalised Split and its raw test targets;
+    the targets are ``y_scale * y + y_shift`` and the test rows are repeated ``repeat_test`` times."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(16, 2))
+    y = (x @ [1.5, -0.5] + 0.3 * rng.normal(size=16))[:, None] * y_scale + y_shift
+    x_test, y_test = np.tile(x[12:], (repeat_test, 1)), np.tile(y[12:], (repeat_test, 1))
+    return uci.normalised_split(x[:12], y[:12], x_test, y_test), y_test
+
+
+def test_uci_metrics_are_reported_in_original_target_units(monkeypatch):
+    """RMSE and coverage from the predictive in original units (computed here with NumPy); under
+    y -> a y + b the RMSE scales by a and the per-point log-likelihood (a density of y) drops by log a;
+    repeating the test points changes no per-point average."""
+    captured = []
+    predict = uci.tfnng.predict
+
+    def spy(model, x, num_samples):
+        captured.append(predict(model, x, num_samples=num_samples))
+        return captured[-1]
+
+    monkeypatch.setattr(uci.tfnng, "predict", spy)
+    results = []
+    for scale, shift, repeat in ((1.0, 0.0, 1), (10.0, 3.0, 1), (1.0, 0.0, 2)):
+        data, y_raw = _toy_split(scale, shift, repeat)
+        result = uci.train_and_evaluate(data, "adam", epochs=3, batch_size=4, num_hidden=8, seed=0)
+        mean = np.asarray(captured[-1].mean, np.float64) * data.y_std + data.y_mean
+        std = np.sqrt(np.asarray(captured[-1].variance, np.float64)) * data.y_std
+        assert result["n_test"] == len(y_raw) == 4 * repeat and result["n_train"] == 12
+        assert result["rmse"] == pytest.approx(np.sqrt(np.mean((mean - y_raw) ** 2)), rel=1e-4)
+        z = 1.959963984540054                                # Phi^-1(0.975)
+        assert result["coverage_95"] == pytest.approx(np.mean(np.abs(y_raw - mean) <= z * std))
+        results.append(result)
+    base, scaled, repeated = results
+    assert scaled["rmse"] == pytest.approx(10.0 * base["rmse"], rel=1e-4)
+    assert scaled["test_ll"] == pytest.approx(base["test_ll"] - math.log(10.0), abs=1e-4)
+    assert repeated["rmse"] == pytest.approx(base["rmse"], rel=1e-4)
+    assert repeated["test_ll"] == pytest.approx(base["test_ll"], abs=1e-4)
+
+
+def test_map_baseline_penalty_is_the_gaussian_prior_per_training_example():
+    """-log N(w; 0, v) / N = w^2 / (2 v N) + const per weight (the prior's share of the mean loss)."""
+    num_examples = 50
+    model = uci._make_model("adam", num_inputs=3, num_hidden=4, num_examples=num_examples)
+    rng = np.random.default_rng(0)
+    dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+    for layer in dense:
+        layer.set_weights([rng.normal(size=w.shape) for w in layer.get_weights()])
+    model(np.zeros((1, 3), np.float32))
+    squares = sum(np.sum(np.square(w)) for layer in dense for w in layer.get_weights())
+    expected = uci.KL_WEIGHT * squares / (2.0 * uci.PRIOR_VARIANCE * num_examples)
+    assert float(sum(loss for layer in dense for loss in layer.losses)) == pytest.approx(expected, rel=1e-5)
+    bayesian = uci._make_model("noisy_adam", 3, 4, num_examples)
+    assert not [loss for layer in bayesian.layers if isinstance(layer, keras.layers.Dense) for loss in layer.losses]
+
+
+def test_learning_rate_schedule_counts_posterior_updates(tmp_path):
+    """8 rows, batches of 3: ceil(8 / 3) = 3 updates per epoch whatever --mc-samples; 2 epochs = 6
+    updates, so the rate drops after schedule step 2 (the first 3 updates at the full rate)."""
+    _write_uci_folder(tmp_path, np.random.default_rng(6).normal(size=(12, 3)), features=[0, 1], target=2,
+                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    for method, mc_samples in (("noisy_adam", 3), ("adam", 1)):
+        summary = uci.run_benchmark(tmp_path, "toy", method, epochs=2, batch_size=3, mc_samples=mc_samples)
+        schedule = summary["optimizer_config"]["config"]["learning_rate"]["config"]
+        assert schedule["boundaries"] == [6 // 2 - 1]
+        assert schedule["values"] == pytest.approx([uci.LEARNING_RATE, uci.LEARNING_RATE * uci.LEARNING_RATE_DECAY])
+
+
+def test_each_split_is_seeded_by_its_number(tmp_path):
+    folder = _write_uci_folder(tmp_path, np.random.default_rng(7).normal(size=(12, 3)), features=[0, 1],
+                               target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    for kind in ("train", "test"):
+        shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_3.txt")
+    np.savetxt(folder / "n_splits.txt", [4], fmt="%d")
+    summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", splits=1, epochs=1, first_split=3)
+    assert [s["split"] for s in summary["splits"]] == [3]
+    assert summary["optimizer_config"]["config"]["seed"] == 3
+
+
+def test_training_batches_are_reshuffled_every_epoch():
+    rng = np.random.default_rng(8)
+    shapes = ((20, 2), (20, 1), (3, 2), (3, 1))
+    data = uci.Split(*(rng.normal(size=s).astype(np.float32) for s in shapes), y_mean=0.0, y_std=1.0)
+    epochs = [x.numpy() for x, _ in uci._training_batches(data, batch_size=20, epochs=2, seed=0)]
+    assert len(epochs) == 2
+    for epoch in epochs:
+        np.testing.assert_array_equal(np.sort(epoch, axis=0), np.sort(data.x_train, axis=0))
+    assert not np.array_equal(epochs[0], epochs[1])       # 20! orders: equal only by a bug
+
+
+@pytest.mark.parametrize("name", ["learning_rate", "num_examples", "prior_variance", "prior_precision",
+                                  "kl_weight", "seed", "mc_samples"])
+def test_set_refuses_every_protocol_setting(name):
+    with pytest.raises(argparse.ArgumentTypeError, match="protocol setting"):
+        uci.parse_setting(f"{name}=2")
+
+
+@pytest.mark.parametrize("rows, batch_size", [(1999, uci.SMALL_BATCH_SIZE), (2000, uci.LARGE_BATCH_SIZE)])
+def test_default_batch_size_is_10_below_2000_rows_else_100(tmp_path, monkeypatch, rows, batch_size):
+    """NNG App. C.1: batch size 10 for the data sets with fewer than 2000 points, 100 for the others."""
+    _write_uci_folder(tmp_path, np.zeros((rows, 2)), features=[0], target=1, train=np.arange(rows - 10),
+                      test=np.arange(rows - 10, rows), n_hidden=4)
+    seen = []
+    monkeypatch.setattr(uci, "train_and_evaluate",
+                        lambda data, method, epochs, batch_size, *a, **k: seen.append(batch_size) or dict(
+                            n_train=1, n_test=1, rmse=1.0, test_ll=0.0, coverage_95=1.0, diverged=False,
+                            train_seconds=0.0, predict_seconds=0.0, optimizer_config={}))
+    summary = uci.run_benchmark(tmp_path, "toy", "adam", epochs=1)
+    assert seen == [batch_size] and summary["batch_size"] == batch_size
+    assert (uci.SMALL_BATCH_SIZE, uci.LARGE_BATCH_SIZE, uci.SMALL_DATASET_ROWS) == (10, 100, 2000)
+
+
+def _fake_uci_results(monkeypatch, per_split):
+    """Replace training by ``per_split[split]`` (rmse, test_ll, diverged, train s, predict s); returns
+    the list of the keyword arguments each call received."""
+    calls = []
+
+    def fake(data, method, epochs, batch_size, num_hidden, seed, **kwargs):
+        calls.append(dict(method=method, epochs=epochs, batch_size=batch_size, num_hidden=num_hidden,
+                          seed=seed, **kwargs))
+        rmse, test_ll, diverged, train_s, predict_s = per_split[seed]
+        return dict(n_train=len(data.x_train), n_test=len(data.x_test), rmse=rmse, test_ll=test_ll,
+                    coverage_95=0.9, diverged=diverged, train_seconds=train_s, predict_seconds=predict_s,
+                    optimizer_config={"seed": seed})
+
+    monkeypatch.setattr(uci, "train_and_evaluate", fake)
+    return calls
+
+
+def _toy_splits(root, name, n_splits):
+    folder = _write_uci_folder(root, np.random.default_rng(9).normal(size=(12, 3)), features=[0, 1],
+                               target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    for split in range(1, n_splits):
+        for kind in ("train", "test"):
+            shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_{split}.txt")
+    np.savetxt(folder / "n_splits.txt", [n_splits], fmt="%d")
+    if name != "toy":
+        folder.rename(root / name)
+
+
+def test_uci_summary_averages_the_splits(tmp_path, monkeypatch, capsys):
+    per_split = {0: (3.0, -2.5, False, 1.0, 0.5), 1: (2.0, -1.0, True, 2.0, 0.25),
+                 2: (4.5, -3.25, False, 4.0, 0.125), 3: (9.0, 9.0, False, 8.0, 8.0)}
+    _fake_uci_results(monkeypatch, per_split)
+    _toy_splits(tmp_path, "toy", 4)
+    summary = uci.run_benchmark(tmp_path, "toy", "adam", splits=3, epochs=1)
+    rmse, ll = np.array([3.0, 2.0, 4.5]), np.array([-2.5, -1.0, -3.25])
+    assert summary["n_splits"] == 3 and [s["split"] for s in summary["splits"]] == [0, 1, 2]
+    assert summary["rmse"] == pytest.approx(rmse.mean())
+    assert summary["rmse_se"] == pytest.approx(rmse.std(ddof=1) / np.sqrt(3))
+    assert summary["test_ll"] == pytest.approx(ll.mean())
+    assert summary["test_ll_se"] == pytest.approx(ll.std(ddof=1) / np.sqrt(3))
+    assert summary["diverged_splits"] == 1
+    assert summary["seconds"] == pytest.approx(1.0 + 0.5 + 2.0 + 0.25 + 4.0 + 0.125)
+    # --first-split 1 --splits 1 runs split 1 alone; --splits 5 from split 2 runs the 2 left, and says so.
+    assert [s["split"] for s in uci.run_benchmark(tmp_path, "toy", "adam", splits=1, epochs=1,
+                                                  first_split=1)["splits"]] == [1]
+    capsys.readouterr()
+    summary = uci.run_benchmark(tmp_path, "toy", "adam", splits=5, epochs=1, first_split=2)
+    assert [s["split"] for s in summary["splits"]] == [2, 3]
+    assert "running 2 of the 5 asked for, from split 2" in capsys.readouterr().out
+
+
+def test_uci_command_passes_its_options_and_records_them(tmp_path, monkeypatch):
+    calls = _fake_uci_results(monkeypatch, {s: (1.0 + s, -1.0 - s, False, 1.0, 1.0) for s in range(4)})
+    _toy_splits(tmp_path, "yacht", 4)
+    out = tmp_path / "r.json"
+    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "noisy_kfac",
+            "--first-split", "1", "--splits", "2", "--epochs", "3", "--mc-samples", "2",
+            "--predictive-samples", "7", "--set", "momentum=0.5", "--out", str(out)]
+    main(argv)
+    assert [c["seed"] for c in calls] == [1, 2]
+    for call in calls:
+        assert call["num_predictive_samples"] == 7 and call["mc_samples"] == 2 and call["epochs"] == 3
+        assert call["overrides"] == {"momentum": 0.5} and call["num_hidden"] == 4
+    record = json.loads(out.read_text())
+    assert RECORD_KEYS <= set(record)
+    assert record["command"] == ["python", "-m", "tfnng.bench"] + argv
+    assert record["date"].endswith("+00:00")                 # UTC
+    settings = record["settings"]
+    assert settings["first_split"] == 1 and settings["splits"] == 2 and settings["epochs"] == 3
+    assert settings["mc_samples"] == 2 and settings["num_predictive_samples"] == 7
+    assert settings["overrides"] == {"momentum": 0.5} and settings["quick"] is False
+    (summary,) = record["results"]["summaries"]
+    assert [s["split"] for s in summary["splits"]] == [1, 2] and summary["mc_samples"] == 2
+    assert record["results"]["references"]["yacht"]["MC dropout (uci/README)"] == [0.67, 0.05, -1.25, 0.01]
+
+
+def test_mc_dropout_references_match_the_data_readme():
+    readme = UCI_DIR / "README.md"
+    if not readme.is_file():
+        pytest.skip(f"UCI README not found at {readme}")
+    table = {}
+    for line in readme.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in uci.DATASETS:
+            table[cells[0]] = tuple(float(v) for cell in cells[1:] for v in cell.split("±"))
+    assert table == uci.MC_DROPOUT
+
+
+def test_only_constant_columns_keep_their_scale(tmp_path):
+    """A column with a small but non-zero spread (std 1e-4) is standardised like any other."""
+    rng = np.random.default_rng(10)
+    data = np.column_stack([1e-4 * rng.normal(size=12), rng.normal(size=12)])
+    _write_uci_folder(tmp_path, data, features=[0], target=1, train=np.arange(8), test=np.arange(8, 12))
+    split = uci.load_split(tmp_path, "toy", 0)
+    column = data[:8, 0]
+    np.testing.assert_allclose(split.x_train[:, 0], (column - column.mean()) / column.std(), rtol=1e-4)
+
+
+def test_count_arguments_and_fractions_check_their_bounds():
+    assert _results.non_negative_int("0") == 0 and _results.positive_int("1") == 1
+    assert _results.open_fraction("0.5") == 0.5
+    for bad in ("0", "1", "0.0", "1.0", "-0.1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _results.open_fraction(bad)
+
+
+def test_records_hold_json_values_only(tmp_path):
+    """NumPy scalars become numbers and every non-finite float (also inf, also inside tuples and
+    nested dicts) becomes null."""
+    results = {"a": np.float32(1.5), "b": float("inf"), "c": (1.0, float("nan")),
+               "d": {"e": np.float64(-np.inf), "f": np.int64(3)}, "g": np.array([1.0, np.nan])}
+    _results.write_json(tmp_path / "r.json", "t", ["x"], {}, results)
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["results"] == {"a": 1.5, "b": None, "c": [1.0, None], "d": {"e": None, "f": 3},
+                                 "g": [1.0, None]}
+
+
+def test_check_writable_keeps_an_existing_file(tmp_path):
+    existing = tmp_path / "old.json"
+    existing.write_text("keep me")
+    _results.check_writable(str(existing), "--out")
+    assert existing.read_text() == "keep me"
+
+
+def test_format_mean_se_uses_the_same_digits_for_the_error():
+    assert _results.format_mean_se(1.0, 0.12345, 2) == "1.00 ± 0.12"
+    assert _results.format_mean_se(-2.0, 0.5) == "-2.000 ± 0.500"
+
+
+def test_demo_split_is_80_20_of_diabetes_normalised_with_training_statistics():
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+    from tfnng import demo
+    x, y = load_diabetes(return_X_y=True)
+    for seed in (0, 1):
+        split = demo.diabetes_split(seed)
+        assert len(split.x_test) == math.ceil(0.2 * len(x)) and len(split.x_train) == len(x) - len(split.x_test)
+        _, _, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed)
+        assert split.y_mean == pytest.approx(y_train.mean()) and split.y_std == pytest.approx(y_train.std())
+        np.testing.assert_allclose(split.y_test[:, 0], (y_test - y_train.mean()) / y_train.std(), rtol=1e-5)
+
+
+def test_demo_trains_the_documented_net_and_refuses_unknown_methods(monkeypatch, capsys):
+    """The demo's docstring: one hidden layer of 50 units; batch size 10 as the small UCI sets."""
+    from tfnng import demo
+    calls = []
+    monkeypatch.setattr(uci, "train_and_evaluate", lambda data, method, **kwargs: calls.append(kwargs) or dict(
+        rmse=1.0, test_ll=-1.0, coverage_95=0.95, train_seconds=0.0))
+    demo.main(["--epochs", "3", "--methods", "ivon"])
+    assert calls == [dict(epochs=3, batch_size=10, num_hidden=50, seed=0, verbose=1)]
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--methods", "adam,sgd"])
+    assert stop.value.code == 2 and "unknown method(s) sgd" in capsys.readouterr().err
+
+
+def test_uci_metrics_of_a_known_predictive(monkeypatch):
+    """A fixed Gaussian predictive N(0, 2^2) in normalised units, targets normalised with mean 5 and
+    std 2: in original units N(5, 4^2). Coverage counts |y - 5| <= 1.96 * 4; a non-finite output (also
+    inf, not only NaN) marks the run as diverged."""
+    from scipy import stats
+
+    y_norm = np.array([[1.0], [3.0], [3.5], [5.0], [-4.5]])
+    rng = np.random.default_rng(12)
+    data = uci.Split(rng.normal(size=(8, 2)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32),
+                     rng.normal(size=(5, 2)).astype(np.float32), y_norm.astype(np.float32), y_mean=5.0, y_std=2.0)
+    y_raw = 5.0 + 2.0 * y_norm[:, 0]
+
+    class Known:
+        def __init__(self, outputs):
+            self.outputs, self.mean, self.variance = outputs, np.zeros((5, 1)), np.full((5, 1), 4.0)
+
+        def log_likelihood(self, y):
+            return stats.norm.logpdf(np.asarray(y, np.float64)[:, 0], 0.0, 2.0)
+
+    outputs = np.zeros((1, 5, 2))
+    monkeypatch.setattr(uci.tfnng, "predict", lambda model, x, num_samples: Known(outputs))
+    result = uci.train_and_evaluate(data, "adam", epochs=1, batch_size=4, num_hidden=3, seed=0)
+    assert result["rmse"] == pytest.approx(np.sqrt(np.mean((y_raw - 5.0) ** 2)))
+    assert result["test_ll"] == pytest.approx(np.mean(stats.norm.logpdf(y_raw, 5.0, 4.0)))
+    assert result["coverage_95"] == pytest.approx(np.mean(np.abs(y_raw - 5.0) <= stats.norm.ppf(0.975) * 4.0))
+    assert result["coverage_95"] == pytest.approx(3 / 5) and result["diverged"] is False
+    outputs = np.array([[[0.0, 0.0]] * 4 + [[np.inf, 0.0]]])
+    result = uci.train_and_evaluate(data, "adam", epochs=1, batch_size=4, num_hidden=3, seed=0)
+    assert result["diverged"] is True and math.isnan(result["test_ll"]) and math.isnan(result["coverage_95"])
+
+
+def test_each_split_trains_on_its_own_rows(tmp_path, monkeypatch):
+    calls = _fake_uci_results(monkeypatch, {s: (1.0, -1.0, False, 0.0, 0.0) for s in range(2)})
+    folder = _write_uci_folder(tmp_path, np.random.default_rng(13).normal(size=(12, 3)), features=[0, 1],
+                               target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    np.savetxt(folder / "index_train_1.txt", np.arange(5), fmt="%d")          # split 1: 5 / 7 rows
+    np.savetxt(folder / "index_test_1.txt", np.arange(5, 12), fmt="%d")
+    np.savetxt(folder / "n_splits.txt", [2], fmt="%d")
+    summary = uci.run_benchmark(tmp_path, "toy", "adam", epochs=1)
+    assert [(s["split"], s["n_train"], s["n_test"]) for s in summary["splits"]] == [(0, 8, 4), (1, 5, 7)]
+    assert [c["seed"] for c in calls] == [0, 1]
+
+
+def test_quick_uci_command_records_the_splits_and_epochs_it_ran(tmp_path, monkeypatch):
+    _fake_uci_results(monkeypatch, {s: (1.0 + s, -1.0, False, 0.0, 0.0) for s in range(3)})
+    _toy_splits(tmp_path, "yacht", 3)
+    out = tmp_path / "q.json"
+    main(["uci", "--quick", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "adam",
+          "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["settings"]["splits"] == uci.QUICK_SPLITS and record["settings"]["epochs"] == uci.QUICK_EPOCHS
+    (summary,) = record["results"]["summaries"]
+    assert summary["n_splits"] == uci.QUICK_SPLITS and summary["epochs"] == uci.QUICK_EPOCHS
+
+
+def test_an_incomplete_uci_folder_names_each_missing_file(tmp_path):
+    """Every file the loader reads is checked before training (a missing one would otherwise surface
+    as a traceback from np.loadtxt, after the other data sets had trained)."""
+    common = ["data.txt", "n_splits.txt", "n_hidden.txt", "index_features.txt", "index_target.txt"]
+    for name in common + ["index_train_0.txt"]:
+        root = tmp_path / name
+        root.mkdir()
+        folder = _write_uci_folder(root, np.random.default_rng(14).normal(size=(12, 3)), features=[0, 1],
+                                   target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+        (folder / name).unlink()
+        with pytest.raises(SystemExit, match=rf"incomplete \(missing: {re.escape(name)}\)"):
+            uci.check_dataset(root, "toy", 0, None)
