@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tfnng
-from tfnng.bench import _results, speed, uci
+from tfnng.bench import _results, kfac_digits, speed, uci
 from tfnng.bench.__main__ import main
 
 PROJECT_ROOT = Path(__file__).parents[1]
@@ -444,7 +445,6 @@ def test_reliability_plot_draws_no_bar_for_an_empty_bin(tmp_path, monkeypatch):
     """An empty bin has accuracy NaN (null in the JSON): it used to be drawn as a zero-height bar, an
     accuracy of 0 that no point had."""
     import matplotlib.axes
-    from tfnng.bench import kfac_digits
 
     drawn = []
     original_bar = matplotlib.axes.Axes.bar
@@ -794,3 +794,189 @@ def test_an_incomplete_uci_folder_names_each_missing_file(tmp_path):
         (folder / name).unlink()
         with pytest.raises(SystemExit, match=rf"incomplete \(missing: {re.escape(name)}\)"):
             uci.check_dataset(root, "toy", 0, None)
+
+
+def _tiny(dense=keras.layers.Dense, conv=None):
+    return keras.Sequential([keras.Input((6,)), dense(8, activation="relu"), dense(speed.NUM_CLASSES)],
+                            name="tiny")
+
+
+def test_state_bytes_count_every_variable_at_its_own_width():
+    """Against the byte sizes of the variables' values: Adam's iteration counter is int64, a float64
+    model's moments take 8 bytes each."""
+    for dtype in ("float32", "float64"):
+        variables = [keras.Variable(np.zeros((3, 4)), dtype=dtype), keras.Variable(np.zeros(5), dtype=dtype)]
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(variables)
+        expected = sum(np.asarray(v.numpy()).nbytes for v in optimizer.variables)
+        assert expected >= 2 * 17 * np.dtype(dtype).itemsize + 8
+        assert speed.state_bytes(optimizer) == expected
+
+
+def test_speed_measure_takes_medians_rotates_the_order_and_divides_by_the_first_row(monkeypatch):
+    """The timings are stubbed: rows hold the median of the repeats, ratios to the first optimizer, the
+    optimizers are interleaved with their order rotated, and skipped updates flag the row."""
+    monkeypatch.setitem(speed.MODELS, "tiny", _tiny)
+    walls = {"Adam": [4.0, 1.0, 10.0], "NoisyAdam": [6.0, 8.0, 7.0], "Vadam": [3.0, 30.0, 5.0]}
+    cpus = {"Adam": [2.0, 6.0, 5.0], "NoisyAdam": [9.0, 1.0, 5.0], "Vadam": [12.0, 10.0, 11.0]}
+    losses = {"Adam": [3.0, 2.0, 1.0], "NoisyAdam": [3.5, 2.5, 1.5], "Vadam": [4.0, 3.0, 2.0]}
+    skipped = {"Adam": [0, 0, 0], "NoisyAdam": [0, 0, 0], "Vadam": [1, 0, 2]}
+    calls = []
+
+    def fake_ms_per_step(model, dataset, steps):
+        name = type(model.optimizer).__name__
+        k = calls.count(name)
+        calls.append(name)
+        return walls[name][k], cpus[name][k], losses[name][k], skipped[name][k], 0
+
+    monkeypatch.setattr(speed, "_ms_per_step", fake_ms_per_step)
+    monkeypatch.setattr(speed, "_update_cpu_ms", lambda optimizer, variables, jit_compile=False: 3.0)
+    rows = speed.measure("tiny", ("Adam", "NoisyAdam", "Vadam"), steps=1, repeats=3, warmup_steps=0)
+
+    assert calls == ["Adam", "NoisyAdam", "Vadam", "NoisyAdam", "Vadam", "Adam", "Vadam", "Adam", "NoisyAdam"]
+    assert [r["optimizer"] for r in rows] == ["Adam", "NoisyAdam", "Vadam"]
+    for row in rows:
+        name = row["optimizer"]
+        assert row["ms_per_step"] == float(np.median(walls[name]))
+        assert row["cpu_ms_per_step"] == float(np.median(cpus[name]))
+        assert row["step_time_ratio"] == pytest.approx(np.median(walls[name]) / np.median(walls["Adam"]))
+        assert row["cpu_time_ratio"] == pytest.approx(np.median(cpus[name]) / np.median(cpus["Adam"]))
+        assert row["state_bytes_ratio"] == pytest.approx(row["state_bytes"] / rows[0]["state_bytes"])
+        assert row["final_loss"] == losses[name][-1]
+        assert row["skipped_updates"] == sum(skipped[name])
+        assert row["trained"] == (name != "Vadam")
+        assert row["update_cpu_ms_over_reference_step"] == pytest.approx(3.0 / np.median(cpus["Adam"]))
+    assert rows[1]["state_bytes_ratio"] > 1.0          # NoisyAdam holds more state than Adam
+
+
+def test_speed_amortises_the_kfac_inverse_update_over_t_inv(monkeypatch):
+    """amortised ratio = inverse-update CPU ms / T_inv / reference CPU ms per step; the warm-up flag is
+    off once the untimed steps reach T_inv."""
+    monkeypatch.setitem(speed.MODELS, "tiny", _tiny)
+    make_optimizer = speed._make_optimizer
+    monkeypatch.setattr(speed, "_make_optimizer", lambda name: tfnng.optimizers.NoisyKFAC(
+        learning_rate=1e-3, num_examples=100, stats_every=1, inverse_every=2, seed=0)
+        if name == "NoisyKFAC" else make_optimizer(name))
+    monkeypatch.setattr(speed, "_ms_per_step", lambda model, dataset, steps: (2.0, 5.0, 1.0, 0, 0))
+    monkeypatch.setattr(speed, "_update_cpu_ms", lambda optimizer, variables, jit_compile=False: 1.0)
+    monkeypatch.setattr(speed, "_inverse_update_cpu_ms", lambda optimizer, jit_compile=False: 40.0)
+    for warmup_steps, timed_during_warmup in ((2, False), (1, True)):
+        rows = speed.measure("tiny", ("Adam", "NoisyKFAC"), steps=1, repeats=1, warmup_steps=warmup_steps,
+                             batch_size=4)
+        kfac = rows[1]
+        assert kfac["inverse_every"] == 2
+        assert kfac["amortised_inverse_update_ratio"] == pytest.approx(40.0 / 2 / 5.0)
+        assert kfac["inverse_warmup_timed"] is timed_during_warmup
+
+
+def test_speed_milliseconds_per_step_from_the_clocks(monkeypatch):
+    """A fake clock (no wall-clock assertion): 0.5 s wall and 1 s CPU over 5 steps are 100 and 200 ms."""
+    walls, cpus = iter([10.0, 10.5]), iter([1.0, 2.0])
+    monkeypatch.setattr(speed, "time", types.SimpleNamespace(perf_counter=lambda: next(walls),
+                                                             process_time=lambda: next(cpus)))
+    keras.utils.set_random_seed(0)
+    model = _tiny()
+    model.compile(optimizer=keras.optimizers.Adam(), loss=tfnng.losses.CategoricalNLL())
+    wall, cpu, loss, skipped, failed = speed._ms_per_step(model, speed._batch(model, 4), 5)
+    assert (wall, cpu) == pytest.approx((100.0, 200.0)) and math.isfinite(loss)
+    assert skipped == failed == 0
+
+
+def test_speed_optimizers_are_the_ones_the_rows_name():
+    assert speed._make_optimizer("SLANG").rank == speed.SLANG_RANK
+    assert speed._make_optimizer("VOGN-empirical").fisher == "empirical"
+    assert speed._make_optimizer("VOGN").fisher != "empirical"
+
+
+def test_speed_models_of_all_optimizers_start_from_the_same_weights(monkeypatch):
+    monkeypatch.setitem(speed.MODELS, "tiny", _tiny)
+    models = speed._compiled_models("tiny", ("Adam", "NoisyAdam", "VOGN"), jit_compile=False)
+    weights = [[np.asarray(v) for v in m.trainable_variables] for m in models.values()]
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_digits_load_scales_pixels_to_the_unit_interval_and_stratifies():
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = kfac_digits.load(test_fraction=0.3, seed=0)
+    assert x_train.shape[1:] == (8, 8, 1) and x_train.min() == 0.0 and x_train.max() == 1.0
+    assert len(x_test) == math.ceil(0.3 * len(digits.target)) and len(x_train) + len(x_test) == 1797
+    for label in range(10):                            # stratified: each class split 70/30 to +-1
+        total = np.sum(digits.target == label)
+        assert abs(np.sum(y_test == label) - 0.3 * total) <= 1.0
+
+
+def test_digits_map_and_kfac_penalties_are_the_gaussian_prior():
+    """-log N(w; 0, s^2) / N = |w|^2 / (2 N s^2): Keras's L2(l) adds l |w|^2 (l = 1 / (2 N s^2)), KFAC's
+    l2 adds (l2 / 2) |w|^2 (l2 = 1 / (N s^2))."""
+    n = 250
+    expected = 1.0 / (n * kfac_digits.PRIOR_VARIANCE)
+    adam = kfac_digits.make_model("adam", n, 1e-3, seed=0)
+    for layer in adam.layers:
+        if layer.weights:
+            assert layer.kernel_regularizer.l2 == pytest.approx(expected / 2)
+    kfac = kfac_digits.make_model("kfac", n, 1e-2, seed=0)
+    assert kfac.optimizer.l2 == pytest.approx(expected)
+
+
+def test_digits_kfac_methods_use_the_documented_schedule():
+    """Module docstring / NNG App. C.2: T_stats = 10, T_inv = 200, beta~ = 0.01, kl_clip 1e-3 decayed
+    every epoch."""
+    for method in ("noisy_kfac", "kfac"):
+        optimizer = kfac_digits.make_model(method, 300, 1e-2, seed=0, steps_per_epoch=7).optimizer
+        config = optimizer.get_config()
+        assert (config["stats_every"], config["inverse_every"], config["stat_decay"]) == (10, 200, 0.01)
+        assert config["kl_clip"] == 1e-3 and config["kl_clip_decay_steps"] == 7
+
+
+def test_digits_run_method_reports_the_metrics_of_its_predictive(monkeypatch):
+    """accuracy, NLL and 15-bin ECE recomputed with NumPy from the predictive the method produced; the
+    requested number of samples reaches tfnng.predict; the kl-clip decays once per (partial) epoch."""
+    x_train, x_test, y_train, y_test = kfac_digits.load(0.3, 0)
+    data = (x_train[:200], x_test[:120], y_train[:200], y_test[:120])
+    predictions, steps_per_epoch = [], []
+    predict, make_model = kfac_digits.tfnng.predict, kfac_digits.make_model
+
+    def spy_predict(model, x, num_samples):
+        predictions.append((num_samples, predict(model, x, num_samples=num_samples)))
+        return predictions[-1][1]
+
+    def record_make_model(*args, **kwargs):
+        steps_per_epoch.append(kwargs.get("steps_per_epoch"))
+        return make_model(*args, **kwargs)
+
+    monkeypatch.setattr(kfac_digits.tfnng, "predict", spy_predict)
+    monkeypatch.setattr(kfac_digits, "make_model", record_make_model)
+    monkeypatch.setitem(kfac_digits.DEFAULT_LEARNING_RATES, "adam", 0.01)   # over- and underconfident bins after 15 short epochs
+    row = kfac_digits.run_method("adam", data, epochs=15, batch_size=32, num_samples=3, seed=0)
+    again = kfac_digits.run_method("adam", data, epochs=15, batch_size=32, num_samples=3, seed=0)
+
+    assert [n for n, _ in predictions] == [3, 3] and steps_per_epoch == [7, 7]   # ceil(200 / 32)
+    assert np.ptp(np.max(predictions[0][1].probs, axis=1)) > 0.3           # confidences spread over bins
+    probs = np.asarray(predictions[0][1].probs, np.float64)
+    labels = data[3]
+    assert row["accuracy"] == pytest.approx(np.mean(np.argmax(probs, axis=1) == labels))
+    assert row["nll"] == pytest.approx(-np.mean(np.log(probs[np.arange(len(labels)), labels])), rel=1e-4)
+    confidence, correct = probs.max(axis=1), np.argmax(probs, axis=1) == labels
+    ece = 0.0
+    for lo, hi in zip(np.arange(15) / 15, np.arange(1, 16) / 15):
+        members = (confidence > lo) & (confidence <= hi) if lo > 0 else confidence <= hi
+        if members.any():
+            ece += members.mean() * abs(correct[members].mean() - confidence[members].mean())
+    assert row["ece"] == pytest.approx(ece, abs=1e-9)
+    assert len(row["reliability"]["counts"]) == 15
+    assert (again["accuracy"], again["nll"]) == (row["accuracy"], row["nll"])     # seeded
+
+
+def test_digits_run_writes_the_reliability_png_beside_the_json(tmp_path, monkeypatch):
+    row = {"method": "adam", "accuracy": 0.5, "nll": 1.0, "ece": 0.1, "train_seconds": 0.0,
+           "reliability": {k: np.asarray(v).tolist() for k, v in tfnng.metrics.reliability_diagram_data(
+               [0, 1], [[0.9, 0.1], [0.4, 0.6]])._asdict().items()}}
+    monkeypatch.setattr(kfac_digits, "run_method", lambda *args: row)
+    main(["kfac_digits", "--methods", "adam", "--epochs", "1", "--out", str(tmp_path / "d.json")])
+    assert (tmp_path / "d_reliability.png").stat().st_size > 0
+    record = json.loads((tmp_path / "d.json").read_text())
+    assert record["settings"]["png"] == str(tmp_path / "d_reliability.png")
+    assert record["settings"]["learning_rates"]["adam"] > 0 and record["results"]["rows"][0]["method"] == "adam"

@@ -316,7 +316,11 @@ def test_save_and_load_model_without_custom_objects(tmp_path):
 
 
 def test_mark_natural_parameter_requires_a_step_function():
-    variable = tf.Variable([0.0])
-    with pytest.raises(TypeError, match="natural_step"):
-        tfnng.mark_natural_parameter(variable, None)
-    assert natural_step(variable) is None and not is_point_estimate(variable)
+    """Not only None: a number or a string given as ``natural_step`` would fail at the first update."""
+    for bad in (None, 0.5, "conjugate"):
+        variable = tf.Variable([0.0])
+        with pytest.raises(TypeError, match="natural_step"):
+            tfnng.mark_natural_parameter(variable, bad)
+        assert natural_step(variable) is None and not is_point_estimate(variable)
+    variable = tfnng.mark_natural_parameter(tf.Variable([0.0]), lambda value, gradient, step: value)
+    assert callable(natural_step(variable)) and is_point_estimate(variable)

@@ -571,3 +571,19 @@ def test_posterior_access_before_build_is_a_clear_error():
     for access in (optimizer.posterior_mean, optimizer.posterior_stddev):
         with pytest.raises(ValueError, match="no posterior yet"):
             access(net.trainable_variables[0])
+
+
+def test_unique_names_never_repeat_a_name():
+    from tfnng._names import unique_names
+    assert unique_names(["a", "a", "b"]) == ["a", "a_1", "b"]
+    for names in (["a", "a", "a"], ["a", "a_1", "a", "a"], ["x", "x", "x_1", "x", "x_2"]):
+        result = unique_names(names)
+        assert len(set(result)) == len(result), result
+        assert all(r == n or r.startswith(n + "_") for r, n in zip(result, names))
+
+
+def test_at_least_float32_widens_half_precision_only():
+    from tfnng._dtypes import at_least_float32
+    for dtype, widened in ((tf.float16, tf.float32), (tf.bfloat16, tf.float32), (tf.float32, tf.float32),
+                           (tf.float64, tf.float64), (tf.int32, tf.int32)):
+        assert at_least_float32(tf.ones(2, dtype)).dtype == widened
