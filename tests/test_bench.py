@@ -49,6 +49,31 @@ def _write_uci_folder(root, data, features, target, train, test, n_hidden=50):
     return folder
 
 
+def _toy_uci_folder(root, data, name="toy", n_splits=1):
+    """``root / name``: the 12 rows of ``data`` (features 0-1, target 2, 4 hidden units) in
+    ``n_splits`` identical splits that train on rows 0-7 and test on rows 8-11."""
+    folder = _write_uci_folder(root, data, features=[0, 1], target=2, train=np.arange(8),
+                               test=np.arange(8, 12), n_hidden=4)
+    for split in range(1, n_splits):
+        for kind in ("train", "test"):
+            shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_{split}.txt")
+    np.savetxt(folder / "n_splits.txt", [n_splits], fmt="%d")
+    return folder if name == "toy" else folder.rename(root / name)
+
+
+def _recorded_predictions(monkeypatch):
+    """Patch ``tfnng.predict`` (which the benchmarks call) to record ``(num_samples, predictive)`` of
+    each call; returns the list."""
+    calls, predict = [], tfnng.predict
+
+    def spy(model, x, num_samples):
+        calls.append((num_samples, predict(model, x, num_samples=num_samples)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(tfnng, "predict", spy)
+    return calls
+
+
 def test_load_split_normalises_with_training_statistics_only(tmp_path):
     rng = np.random.default_rng(0)
     data = np.column_stack([rng.normal(3.0, 2.0, 12), np.full(12, 7.0), rng.normal(size=12),
@@ -74,8 +99,7 @@ def test_load_split_normalises_with_training_statistics_only(tmp_path):
 
 def test_first_split_selects_a_range_of_splits(tmp_path):
     rng = np.random.default_rng(1)
-    folder = _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
-                               train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    folder = _toy_uci_folder(tmp_path, rng.normal(size=(12, 3)))
     for split in (1, 2):  # three splits, the later two with other test rows
         np.savetxt(folder / f"index_train_{split}.txt", np.arange(split, split + 8), fmt="%d")
         np.savetxt(folder / f"index_test_{split}.txt", np.r_[np.arange(split), np.arange(split + 8, 12)], fmt="%d")
@@ -93,13 +117,7 @@ def test_first_split_selects_a_range_of_splits(tmp_path):
 def test_uci_checks_every_data_set_before_training_any(tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
     for name, n_splits in (("yacht", 3), ("energy", 1)):
-        folder = _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
-                                   train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
-        for split in range(1, n_splits):
-            for kind in ("train", "test"):
-                shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_{split}.txt")
-        np.savetxt(folder / "n_splits.txt", [n_splits], fmt="%d")
-        folder.rename(tmp_path / name)
+        _toy_uci_folder(tmp_path, rng.normal(size=(12, 3)), name, n_splits)
     monkeypatch.setattr(uci, "run_split", lambda *a, **k: pytest.fail("trained before the checks"))
     argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht,energy", "--epochs", "1",
             "--out", str(tmp_path / "r.json")]
@@ -128,8 +146,7 @@ def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
     first_epoch = np.concatenate(batches[:9:3])
     np.testing.assert_array_equal(np.sort(first_epoch, axis=0), np.sort(data.x_train, axis=0))
 
-    _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
-                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    _toy_uci_folder(tmp_path, rng.normal(size=(12, 3)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=2, batch_size=4, mc_samples=3)
@@ -145,18 +162,10 @@ def test_mc_samples_feed_each_batch_once_per_weight_sample(tmp_path):
 
 def test_predictive_samples_reach_the_predictive(tmp_path, monkeypatch):
     rng = np.random.default_rng(2)
-    _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
-                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
-    counts = []
-    predict = uci.tfnng.predict
-
-    def spy(model, x, num_samples):
-        counts.append(num_samples)
-        return predict(model, x, num_samples=num_samples)
-
-    monkeypatch.setattr(uci.tfnng, "predict", spy)
+    _toy_uci_folder(tmp_path, rng.normal(size=(12, 3)))
+    predictions = _recorded_predictions(monkeypatch)
     summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=1, num_predictive_samples=7)
-    assert counts == [7] and np.isfinite(summary["test_ll"])
+    assert [n for n, _ in predictions] == [7] and np.isfinite(summary["test_ll"])
     with pytest.raises(SystemExit, match="at least one sample"):
         uci.run_benchmark(tmp_path, "toy", "noisy_adam", epochs=1, num_predictive_samples=0)
 
@@ -196,8 +205,7 @@ def test_default_uci_out_names_the_splits_and_epochs(tmp_path, monkeypatch):
 
 def test_set_changes_a_method_argument_and_is_recorded(tmp_path, monkeypatch):
     rng = np.random.default_rng(4)
-    _write_uci_folder(tmp_path, rng.normal(size=(12, 3)), features=[0, 1], target=2,
-                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    _toy_uci_folder(tmp_path, rng.normal(size=(12, 3)))
     overrides = {"momentum": 0.5, "kl_clip": None}
     summary = uci.run_benchmark(tmp_path, "toy", "noisy_kfac", epochs=1, batch_size=4, overrides=overrides)
     config = summary["optimizer_config"]["config"]
@@ -217,9 +225,7 @@ def test_set_changes_a_method_argument_and_is_recorded(tmp_path, monkeypatch):
 
 
 def test_set_rejects_what_the_optimizer_does_not_take_before_training(tmp_path, monkeypatch, capsys):
-    _write_uci_folder(tmp_path, np.random.default_rng(5).normal(size=(12, 3)), features=[0, 1], target=2,
-                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
-    (tmp_path / "toy").rename(tmp_path / "yacht")
+    _toy_uci_folder(tmp_path, np.random.default_rng(5).normal(size=(12, 3)), "yacht")
     monkeypatch.setattr(uci, "run_split", lambda *a, **k: pytest.fail("trained before the checks"))
     argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--epochs", "1",
             "--out", str(tmp_path / "r.json")]
@@ -474,20 +480,13 @@ def test_uci_metrics_are_reported_in_original_target_units(monkeypatch):
     """RMSE and coverage from the predictive in original units (computed here with NumPy); under
     y -> a y + b the RMSE scales by a and the per-point log-likelihood (a density of y) drops by log a;
     repeating the test points changes no per-point average."""
-    captured = []
-    predict = uci.tfnng.predict
-
-    def spy(model, x, num_samples):
-        captured.append(predict(model, x, num_samples=num_samples))
-        return captured[-1]
-
-    monkeypatch.setattr(uci.tfnng, "predict", spy)
+    predictions = _recorded_predictions(monkeypatch)
     results = []
     for scale, shift, repeat in ((1.0, 0.0, 1), (10.0, 3.0, 1), (1.0, 0.0, 2)):
         data, y_raw = _toy_split(scale, shift, repeat)
         result = uci.train_and_evaluate(data, "adam", epochs=3, batch_size=4, num_hidden=8, seed=0)
-        mean = np.asarray(captured[-1].mean, np.float64) * data.y_std + data.y_mean
-        std = np.sqrt(np.asarray(captured[-1].variance, np.float64)) * data.y_std
+        mean = np.asarray(predictions[-1][1].mean, np.float64) * data.y_std + data.y_mean
+        std = np.sqrt(np.asarray(predictions[-1][1].variance, np.float64)) * data.y_std
         assert result["n_test"] == len(y_raw) == 4 * repeat and result["n_train"] == 12
         assert result["rmse"] == pytest.approx(np.sqrt(np.mean((mean - y_raw) ** 2)), rel=1e-4)
         z = 1.959963984540054                                # Phi^-1(0.975)
@@ -519,8 +518,7 @@ def test_map_baseline_penalty_is_the_gaussian_prior_per_training_example():
 def test_learning_rate_schedule_counts_posterior_updates(tmp_path):
     """8 rows, batches of 3: ceil(8 / 3) = 3 updates per epoch whatever --mc-samples; 2 epochs = 6
     updates, so the rate drops after schedule step 2 (the first 3 updates at the full rate)."""
-    _write_uci_folder(tmp_path, np.random.default_rng(6).normal(size=(12, 3)), features=[0, 1], target=2,
-                      train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    _toy_uci_folder(tmp_path, np.random.default_rng(6).normal(size=(12, 3)))
     for method, mc_samples in (("noisy_adam", 3), ("adam", 1)):
         summary = uci.run_benchmark(tmp_path, "toy", method, epochs=2, batch_size=3, mc_samples=mc_samples)
         schedule = summary["optimizer_config"]["config"]["learning_rate"]["config"]
@@ -529,11 +527,7 @@ def test_learning_rate_schedule_counts_posterior_updates(tmp_path):
 
 
 def test_each_split_is_seeded_by_its_number(tmp_path):
-    folder = _write_uci_folder(tmp_path, np.random.default_rng(7).normal(size=(12, 3)), features=[0, 1],
-                               target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
-    for kind in ("train", "test"):
-        shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_3.txt")
-    np.savetxt(folder / "n_splits.txt", [4], fmt="%d")
+    _toy_uci_folder(tmp_path, np.random.default_rng(7).normal(size=(12, 3)), n_splits=4)
     summary = uci.run_benchmark(tmp_path, "toy", "noisy_adam", splits=1, epochs=1, first_split=3)
     assert [s["split"] for s in summary["splits"]] == [3]
     assert summary["optimizer_config"]["config"]["seed"] == 3
@@ -562,13 +556,9 @@ def test_default_batch_size_is_10_below_2000_rows_else_100(tmp_path, monkeypatch
     """NNG App. C.1: batch size 10 for the data sets with fewer than 2000 points, 100 for the others."""
     _write_uci_folder(tmp_path, np.zeros((rows, 2)), features=[0], target=1, train=np.arange(rows - 10),
                       test=np.arange(rows - 10, rows), n_hidden=4)
-    seen = []
-    monkeypatch.setattr(uci, "train_and_evaluate",
-                        lambda data, method, epochs, batch_size, *a, **k: seen.append(batch_size) or dict(
-                            n_train=1, n_test=1, rmse=1.0, test_ll=0.0, coverage_95=1.0, diverged=False,
-                            train_seconds=0.0, predict_seconds=0.0, optimizer_config={}))
+    calls = _fake_uci_results(monkeypatch, {0: (1.0, 0.0, False, 0.0, 0.0)})
     summary = uci.run_benchmark(tmp_path, "toy", "adam", epochs=1)
-    assert seen == [batch_size] and summary["batch_size"] == batch_size
+    assert [c["batch_size"] for c in calls] == [batch_size] and summary["batch_size"] == batch_size
     assert (uci.SMALL_BATCH_SIZE, uci.LARGE_BATCH_SIZE, uci.SMALL_DATASET_ROWS) == (10, 100, 2000)
 
 
@@ -589,22 +579,11 @@ def _fake_uci_results(monkeypatch, per_split):
     return calls
 
 
-def _toy_splits(root, name, n_splits):
-    folder = _write_uci_folder(root, np.random.default_rng(9).normal(size=(12, 3)), features=[0, 1],
-                               target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
-    for split in range(1, n_splits):
-        for kind in ("train", "test"):
-            shutil.copy(folder / f"index_{kind}_0.txt", folder / f"index_{kind}_{split}.txt")
-    np.savetxt(folder / "n_splits.txt", [n_splits], fmt="%d")
-    if name != "toy":
-        folder.rename(root / name)
-
-
 def test_uci_summary_averages_the_splits(tmp_path, monkeypatch, capsys):
     per_split = {0: (3.0, -2.5, False, 1.0, 0.5), 1: (2.0, -1.0, True, 2.0, 0.25),
                  2: (4.5, -3.25, False, 4.0, 0.125), 3: (9.0, 9.0, False, 8.0, 8.0)}
     _fake_uci_results(monkeypatch, per_split)
-    _toy_splits(tmp_path, "toy", 4)
+    _toy_uci_folder(tmp_path, np.random.default_rng(9).normal(size=(12, 3)), "toy", 4)
     summary = uci.run_benchmark(tmp_path, "toy", "adam", splits=3, epochs=1)
     rmse, ll = np.array([3.0, 2.0, 4.5]), np.array([-2.5, -1.0, -3.25])
     assert summary["n_splits"] == 3 and [s["split"] for s in summary["splits"]] == [0, 1, 2]
@@ -625,7 +604,7 @@ def test_uci_summary_averages_the_splits(tmp_path, monkeypatch, capsys):
 
 def test_uci_command_passes_its_options_and_records_them(tmp_path, monkeypatch):
     calls = _fake_uci_results(monkeypatch, {s: (1.0 + s, -1.0 - s, False, 1.0, 1.0) for s in range(4)})
-    _toy_splits(tmp_path, "yacht", 4)
+    _toy_uci_folder(tmp_path, np.random.default_rng(9).normal(size=(12, 3)), "yacht", 4)
     out = tmp_path / "r.json"
     argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "noisy_kfac",
             "--first-split", "1", "--splits", "2", "--epochs", "3", "--mc-samples", "2",
@@ -717,11 +696,9 @@ def test_demo_split_is_80_20_of_diabetes_normalised_with_training_statistics():
 def test_demo_trains_the_documented_net_and_refuses_unknown_methods(monkeypatch, capsys):
     """The demo's docstring: one hidden layer of 50 units; batch size 10 as the small UCI sets."""
     from tfnng import demo
-    calls = []
-    monkeypatch.setattr(uci, "train_and_evaluate", lambda data, method, **kwargs: calls.append(kwargs) or dict(
-        rmse=1.0, test_ll=-1.0, coverage_95=0.95, train_seconds=0.0))
+    calls = _fake_uci_results(monkeypatch, {0: (1.0, -1.0, False, 0.0, 0.0)})
     demo.main(["--epochs", "3", "--methods", "ivon"])
-    assert calls == [dict(epochs=3, batch_size=10, num_hidden=50, seed=0, verbose=1)]
+    assert calls == [dict(method="ivon", epochs=3, batch_size=10, num_hidden=50, seed=0, verbose=1)]
     with pytest.raises(SystemExit) as stop:
         demo.main(["--methods", "adam,sgd"])
     assert stop.value.code == 2 and "unknown method(s) sgd" in capsys.readouterr().err
@@ -760,11 +737,9 @@ def test_uci_metrics_of_a_known_predictive(monkeypatch):
 
 def test_each_split_trains_on_its_own_rows(tmp_path, monkeypatch):
     calls = _fake_uci_results(monkeypatch, {s: (1.0, -1.0, False, 0.0, 0.0) for s in range(2)})
-    folder = _write_uci_folder(tmp_path, np.random.default_rng(13).normal(size=(12, 3)), features=[0, 1],
-                               target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+    folder = _toy_uci_folder(tmp_path, np.random.default_rng(13).normal(size=(12, 3)), n_splits=2)
     np.savetxt(folder / "index_train_1.txt", np.arange(5), fmt="%d")          # split 1: 5 / 7 rows
     np.savetxt(folder / "index_test_1.txt", np.arange(5, 12), fmt="%d")
-    np.savetxt(folder / "n_splits.txt", [2], fmt="%d")
     summary = uci.run_benchmark(tmp_path, "toy", "adam", epochs=1)
     assert [(s["split"], s["n_train"], s["n_test"]) for s in summary["splits"]] == [(0, 8, 4), (1, 5, 7)]
     assert [c["seed"] for c in calls] == [0, 1]
@@ -772,7 +747,7 @@ def test_each_split_trains_on_its_own_rows(tmp_path, monkeypatch):
 
 def test_quick_uci_command_records_the_splits_and_epochs_it_ran(tmp_path, monkeypatch):
     _fake_uci_results(monkeypatch, {s: (1.0 + s, -1.0, False, 0.0, 0.0) for s in range(3)})
-    _toy_splits(tmp_path, "yacht", 3)
+    _toy_uci_folder(tmp_path, np.random.default_rng(9).normal(size=(12, 3)), "yacht", 3)
     out = tmp_path / "q.json"
     main(["uci", "--quick", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "adam",
           "--out", str(out)])
@@ -789,8 +764,7 @@ def test_an_incomplete_uci_folder_names_each_missing_file(tmp_path):
     for name in common + ["index_train_0.txt"]:
         root = tmp_path / name
         root.mkdir()
-        folder = _write_uci_folder(root, np.random.default_rng(14).normal(size=(12, 3)), features=[0, 1],
-                                   target=2, train=np.arange(8), test=np.arange(8, 12), n_hidden=4)
+        folder = _toy_uci_folder(root, np.random.default_rng(14).normal(size=(12, 3)))
         (folder / name).unlink()
         with pytest.raises(SystemExit, match=rf"incomplete \(missing: {re.escape(name)}\)"):
             uci.check_dataset(root, "toy", 0, None)
@@ -936,18 +910,13 @@ def test_digits_run_method_reports_the_metrics_of_its_predictive(monkeypatch):
     requested number of samples reaches tfnng.predict; the kl-clip decays once per (partial) epoch."""
     x_train, x_test, y_train, y_test = kfac_digits.load(0.3, 0)
     data = (x_train[:200], x_test[:120], y_train[:200], y_test[:120])
-    predictions, steps_per_epoch = [], []
-    predict, make_model = kfac_digits.tfnng.predict, kfac_digits.make_model
-
-    def spy_predict(model, x, num_samples):
-        predictions.append((num_samples, predict(model, x, num_samples=num_samples)))
-        return predictions[-1][1]
+    predictions, steps_per_epoch = _recorded_predictions(monkeypatch), []
+    make_model = kfac_digits.make_model
 
     def record_make_model(*args, **kwargs):
         steps_per_epoch.append(kwargs.get("steps_per_epoch"))
         return make_model(*args, **kwargs)
 
-    monkeypatch.setattr(kfac_digits.tfnng, "predict", spy_predict)
     monkeypatch.setattr(kfac_digits, "make_model", record_make_model)
     monkeypatch.setitem(kfac_digits.DEFAULT_LEARNING_RATES, "adam", 0.01)   # over- and underconfident bins after 15 short epochs
     row = kfac_digits.run_method("adam", data, epochs=15, batch_size=32, num_samples=3, seed=0)
