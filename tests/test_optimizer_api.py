@@ -332,6 +332,11 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     ({"num_examples": 10, "clipnorm": -1.0}, "clipnorm"),      # Keras drops these silently
     ({"num_examples": 10, "clipvalue": 0.0}, "clipvalue"),
     ({"num_examples": 10, "global_clipnorm": float("nan")}, "global_clipnorm"),
+    # float() would take these as 1.0, 0.5, 1.0 and 1.0
+    ({"num_examples": 10, "kl_weight": True}, "kl_weight"),
+    ({"num_examples": 10, "prior_variance": "0.5"}, "prior_variance"),
+    ({"num_examples": 10, "learning_rate": True}, "learning_rate"),
+    ({"num_examples": 10, "prior_precision": np.True_}, "prior_precision"),
 ])
 def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -40,7 +40,12 @@ from tfnng.posteriors import diagonal as _diagonal
 
 
 def _finite_float(value):
-    """``float(value)`` if it is a finite number, else None (strings, None, nan, inf)."""
+    """``float(value)`` if it is a finite number, else None (bools, strings, None, nan, inf).
+
+    ``float`` itself would take ``True`` as 1 and ``"0.1"`` as 0.1; tfnng's layers and losses
+    refuse both, and so do the optimizers."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        return None
     try:
         value = float(value)
     except (TypeError, ValueError):
