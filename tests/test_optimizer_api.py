@@ -193,6 +193,36 @@ def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
         np.testing.assert_array_equal(before, variable.numpy())
 
 
+def test_predict_takes_any_batch_size_of_a_sequential_built_by_fit():
+    """Without keras.Input, Keras records the first batch's size in ``model.input_shape``."""
+    x, y = regression_data(n=16)
+    model = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=16),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert model.input_shape == (8, 4)
+    assert tfnng.predict(model, x[:3], num_samples=2).mean.shape == (3, 1)
+    with pytest.raises(ValueError, match=r"takes inputs of shape \(None, 4\)"):
+        tfnng.predict(model, x[:3, :3], num_samples=2)
+
+
+def test_a_one_output_model_may_list_its_loss():
+    """``loss=[l]`` or ``{name: l}`` (Keras accepts both for one output) is the likelihood ``l``."""
+    x, y = regression_data(n=16)
+    likelihood = tfnng.losses.GaussianNLL(noise_variance=0.1)
+    predictive = {}
+    for name, loss in [("bare", likelihood), ("list", [likelihood]), ("dict", {"out": likelihood})]:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(inputs))
+        model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=16, seed=0), loss=loss)
+        model.fit(x, y, epochs=1, verbose=0)
+        predictive[name] = tfnng.predict(model, x, num_samples=2)
+    for name in ("list", "dict"):
+        assert predictive[name].likelihood is likelihood
+        np.testing.assert_array_equal(predictive[name].mean, predictive["bare"].mean)
+
+
 def test_hand_written_tape_loop_and_retracing():
     x, y = regression_data()
     model = small_net()

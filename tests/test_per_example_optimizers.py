@@ -293,6 +293,29 @@ def test_multi_output_models_need_the_empirical_fisher_and_say_so():
     assert np.isfinite(model.fit(x, targets, batch_size=4, verbose=0).history["loss"]).all()
 
 
+@pytest.mark.parametrize("make", [
+    lambda: tfnng.optimizers.VOGN(learning_rate=0.1, num_examples=8, seed=0),
+    lambda: tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=8, seed=0)])
+def test_a_one_output_model_may_list_its_likelihood_for_the_true_fisher(make):
+    """``loss=[l]`` (Keras accepts it for one output) trains exactly as ``loss=l``, also where the
+    generic path scores each example (the LayerNormalization)."""
+    x = np.random.default_rng(8).normal(size=(8, 2)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    likelihood = tfnng.losses.CategoricalNLL()
+    means = {}
+    for name, loss in [("bare", likelihood), ("list", [likelihood])]:
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, activation="tanh"),
+                                keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+        model = tfnng.BayesianModel(net)
+        optimizer = make()
+        model.compile(optimizer=optimizer, loss=loss)
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        means[name] = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
+    for listed, bare in zip(means["list"], means["bare"]):
+        np.testing.assert_array_equal(listed, bare)
+
+
 class TwinNames(keras.Model):
     """Two LayerNormalization and two Dense layers sharing a name: their variable paths repeat."""
 

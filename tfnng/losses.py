@@ -71,6 +71,18 @@ def _stateless_seed(seed):
 MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
+def single_loss(loss):
+    """``loss``, or the one loss of a one-element list, tuple or dict (Keras accepts ``loss=[l]``
+    or ``{"output": l}`` for a model with one output); a structure of several is returned as is."""
+    if isinstance(loss, dict):
+        losses = list(loss.values())
+    elif isinstance(loss, (list, tuple)):
+        losses = list(loss)
+    else:
+        return loss
+    return losses[0] if len(losses) == 1 else loss
+
+
 def require_mean_reduction(loss_name, reduction):
     """Stop with a clear error unless ``reduction`` averages over the batch: tfnng optimizers
     multiply the mean loss by N (a sum would weaken the prior and lengthen the step by the batch

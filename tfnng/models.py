@@ -176,7 +176,9 @@ _TRUE_FISHER = "The true Fisher, which samples targets from the model's predicti
 
 
 def _single_likelihood(loss_fn, purpose):
-    """``loss_fn`` if it is one tfnng likelihood (``sample`` and ``log_prob``), else a clear error."""
+    """The tfnng likelihood (``sample`` and ``log_prob``) ``loss_fn`` is, or holds as the one loss of
+    a one-output model (:func:`tfnng.losses.single_loss`), else a clear error."""
+    loss_fn = _losses.single_loss(loss_fn)
     if isinstance(loss_fn, (list, tuple, dict)):
         raise ValueError(f"{purpose} needs one tfnng likelihood loss; a model compiled with one "
                          "loss per output is supported only with fisher='empirical' and Dense/Conv2D "
@@ -287,13 +289,13 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                          else tf.ones((), loss.dtype))
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
-            _single_likelihood(loss_fn, _TRUE_FISHER)
+            likelihood = _single_likelihood(loss_fn, _TRUE_FISHER)
             # Non-finite outputs (a diverging step) would make the sampler return invalid targets;
             # sample from a finite stand-in: the statistics are non-finite anyway and get skipped.
             finite_pred = tf.where(tf.math.is_finite(y_pred), y_pred, tf.zeros_like(y_pred))
-            targets = tf.stop_gradient(loss_fn.sample(tf.stop_gradient(finite_pred),
-                                                      seed=_replica_seed(seed)))
-            log_probs = loss_fn.log_prob(targets, y_pred)
+            targets = tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite_pred),
+                                                         seed=_replica_seed(seed)))
+            log_probs = likelihood.log_prob(targets, y_pred)
             if weights is not None:
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
             fisher_ll = tf.reduce_sum(log_probs) * tf.cast(example_scale, log_probs.dtype)
@@ -402,11 +404,12 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_
     """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``),
     scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``;
     differentiated at ``example_scale`` (a loss scale over the batch size) and unscaled."""
-    _single_likelihood(loss_fn, "Evaluating each example's log-likelihood for the per-example "
-                                "gradients of layers without a fast path (anything but Dense/Conv2D)")
+    likelihood = _single_likelihood(
+        loss_fn, "Evaluating each example's log-likelihood for the per-example gradients of layers "
+                 "without a fast path (anything but Dense/Conv2D)")
 
     def log_likelihood(y_true, y_pred):
-        log_probs = loss_fn.log_prob(y_true, y_pred)
+        log_probs = likelihood.log_prob(y_true, y_pred)
         return log_probs * tf.cast(example_scale, log_probs.dtype)
 
     def compute():

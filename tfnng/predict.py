@@ -12,6 +12,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tfnng import losses as _losses
 from tfnng import metrics as _metrics
 from tfnng._dtypes import at_least_float32
 from tfnng.models import unwrap_optimizer
@@ -49,7 +50,8 @@ class Predictive:
 
 
 def _likelihood_of(model, likelihood, caller="tfnng.predict"):
-    likelihood = likelihood if likelihood is not None else getattr(model, "loss", None)
+    if likelihood is None:
+        likelihood = _losses.single_loss(getattr(model, "loss", None))
     if not all(hasattr(likelihood, attr) for attr in ("log_prob", "is_classification")):
         raise ValueError(
             f"{caller} needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
@@ -75,7 +77,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
         x: inputs, one array or tensor of shape ``(N, ...)``.
         num_samples: number S of weight samples.
         batch_size: forward-pass batch size (default: all of ``x`` at once).
-        likelihood: a tfnng loss; defaults to ``model.loss``.
+        likelihood: a tfnng loss; defaults to ``model.loss`` (or its one loss: ``loss=[l]``).
         return_samples: also return per-sample predicted means / probabilities in ``samples``.
 
     Returns:
@@ -180,6 +182,8 @@ def _inputs(x, model, caller="tfnng.predict"):
         expected = tf.TensorShape(model.input_shape)
     except (AttributeError, TypeError, ValueError):          # no declared input (subclassed model)
         return x
+    if expected.rank:       # any batch size: a Sequential built by `fit` records its first batch's
+        expected = tf.TensorShape([None]).concatenate(expected[1:])
     if not expected.is_compatible_with(x.shape):
         raise ValueError(f"{caller}: the model takes inputs of shape {tuple(expected)}; got `x` "
                          f"of shape {tuple(x.shape)}.")

@@ -379,7 +379,8 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
             or an earlier SavedModel to replace.
         num_samples: number S of weight samples per call.
         outputs: names of the signature outputs (module docstring).
-        likelihood: a tfnng loss interpreting the outputs; defaults to ``model.loss``.
+        likelihood: a tfnng loss interpreting the outputs; defaults to ``model.loss`` (or its one
+            loss: ``loss=[l]``).
 
     Raises:
         ValueError: bad ``path``, ``num_samples`` or ``outputs``, no likelihood, or an optimizer
