@@ -482,6 +482,36 @@ def test_freezing_a_layer_and_recompiling_with_the_same_optimizer(make_optimizer
 
 
 @pytest.mark.parametrize("make_optimizer", [
+    lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n, seed=0),
+    lambda n: tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=n, seed=0),
+    lambda n: tfnng.optimizers.SLANG(learning_rate=0.05, num_examples=n, rank=2, seed=0),
+    lambda n: tfnng.optimizers.NoisyNaturalGradient(learning_rate=0.05, num_examples=n, seed=0),
+    lambda n: tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=n, fisher="true",
+                                         seed=0)])
+def test_a_layer_frozen_between_compile_and_fit_trains_as_if_frozen_before(make_optimizer):
+    """The per-example optimizers failed with a bare KeyError in build (the layer is among the
+    captured layers, not among the optimizer's variables)."""
+    x, y = classification_data(n=32)
+    means = {}
+    for when in ("before", "after"):
+        keras.utils.set_random_seed(0)
+        net = dense_net()
+        frozen = net.layers[1].kernel.numpy()
+        model = tfnng.BayesianModel(net)
+        if when == "before":
+            net.layers[1].trainable = False
+        optimizer = make_optimizer(len(x))
+        model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+        net.layers[1].trainable = False
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        np.testing.assert_array_equal(net.layers[1].kernel.numpy(), frozen)
+        means[when] = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
+    assert len(means["after"]) == 4
+    for after, before in zip(means["after"], means["before"]):   # up to float32 round-off: the
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)   # graphs differ
+
+
+@pytest.mark.parametrize("make_optimizer", [
     lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n),
     lambda n: tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=n)])
 def test_one_optimizer_compiled_with_two_models_says_so(make_optimizer):

@@ -293,6 +293,27 @@ def test_multi_output_models_need_the_empirical_fisher_and_say_so():
     assert np.isfinite(model.fit(x, targets, batch_size=4, verbose=0).history["loss"]).all()
 
 
+def test_a_layer_without_fast_path_needs_a_likelihood_and_says_which_and_what_else():
+    """The generic path scores each example with the likelihood, also for the empirical Fisher;
+    the error used to advise fisher='empirical' to an optimizer that had it."""
+    x = np.random.default_rng(8).normal(size=(8, 2)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, activation="tanh"),
+                            keras.layers.LayerNormalization(name="norm"), keras.layers.Dense(2)])
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=tfnng.optimizers.VOGN(num_examples=8, fisher="empirical"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"per-example gradients of sequential\S*/norm .*"
+                                         r"mark these layers' variables as point estimates"):
+        model.fit(x, y, batch_size=4, verbose=0)
+    for variable in net.get_layer("norm").trainable_variables:       # the advice works
+        tfnng.mark_point_estimate(variable)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=tfnng.optimizers.VOGN(num_examples=8, fisher="empirical"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert np.isfinite(model.fit(x, y, batch_size=4, verbose=0).history["loss"]).all()
+
+
 @pytest.mark.parametrize("make", [
     lambda: tfnng.optimizers.VOGN(learning_rate=0.1, num_examples=8, seed=0),
     lambda: tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=8, seed=0)])

@@ -172,21 +172,24 @@ def check_mean_reduction(loss):
                                        getattr(single, "reduction", _losses.MEAN_REDUCTIONS[0]))
 
 
-_TRUE_FISHER = "The true Fisher, which samples targets from the model's predictive,"
-
-
-def _single_likelihood(loss_fn, purpose):
+def _single_likelihood(loss_fn, purpose, alternative):
     """The tfnng likelihood (``sample`` and ``log_prob``) ``loss_fn`` is, or holds as the one loss of
-    a one-output model (:func:`tfnng.losses.single_loss`), else a clear error."""
+    a one-output model (:func:`tfnng.losses.single_loss`), else a clear error suggesting
+    ``alternative``."""
     loss_fn = _losses.single_loss(loss_fn)
     if isinstance(loss_fn, (list, tuple, dict)):
         raise ValueError(f"{purpose} needs one tfnng likelihood loss; a model compiled with one "
-                         "loss per output is supported only with fisher='empirical' and Dense/Conv2D "
-                         "layers.")
+                         f"loss per output is supported only {alternative}.")
     if not hasattr(loss_fn, "sample") or not hasattr(loss_fn, "log_prob"):
         raise ValueError(f"{purpose} needs a tfnng likelihood loss (GaussianNLL, CategoricalNLL, "
-                         "BernoulliNLL); with another loss use fisher='empirical' (Dense/Conv2D).")
+                         f"BernoulliNLL); another loss is supported only {alternative}.")
     return loss_fn
+
+
+def _true_fisher_likelihood(loss_fn):
+    return _single_likelihood(
+        loss_fn, "The true Fisher, which samples targets from the model's predictive,",
+        "with fisher='empirical' and Dense/Conv2D layers")
 
 
 _PER_EXAMPLE_FIELDS = ("inputs", "preactivation_grads", "gradients")
@@ -289,7 +292,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                          else tf.ones((), loss.dtype))
         fisher_ll, targets = None, y
         if requirements.fisher == "true" and (capture.specs or generic):
-            likelihood = _single_likelihood(loss_fn, _TRUE_FISHER)
+            likelihood = _true_fisher_likelihood(loss_fn)
             # Non-finite outputs (a diverging step) would make the sampler return invalid targets;
             # sample from a finite stand-in: the statistics are non-finite anyway and get skipped.
             finite_pred = tf.where(tf.math.is_finite(y_pred), y_pred, tf.zeros_like(y_pred))
@@ -404,9 +407,12 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_
     """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``),
     scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``;
     differentiated at ``example_scale`` (a loss scale over the batch size) and unscaled."""
+    names = sorted({v.path.rsplit("/", 1)[0] for v in variables})
     likelihood = _single_likelihood(
-        loss_fn, "Evaluating each example's log-likelihood for the per-example gradients of layers "
-                 "without a fast path (anything but Dense/Conv2D)")
+        loss_fn, f"The per-example gradients of {', '.join(names)} (no Dense/Conv2D fast path: "
+                 "each example's log-likelihood is differentiated)",
+        "for Dense/Conv2D layers (with fisher='empirical'): mark these layers' variables as point "
+        "estimates with tfnng.mark_point_estimate")
 
     def log_likelihood(y_true, y_pred):
         log_probs = likelihood.log_prob(y_true, y_pred)
@@ -519,7 +525,7 @@ class BayesianModel(keras.Model):
         if requirements is not None and requirements.fisher == "true" and self.loss is not None:
             # Here rather than in the first step: Keras builds the optimizer while tracing it, and
             # an error there left its variables uninitialised (predict then failed obscurely).
-            _single_likelihood(self.loss, _TRUE_FISHER)
+            _true_fisher_likelihood(self.loss)
         self._layer_capture = None
         if self.net.built:
             self._prepare_curvature()

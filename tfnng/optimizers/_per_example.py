@@ -25,13 +25,13 @@ class PerExampleStatistics:
     """Mixin for :class:`~tfnng.optimizers.base.CurvatureConsumer` optimizers (call
     :meth:`_map_per_example_sources` at the end of ``build``)."""
 
-    def _map_per_example_sources(self, variables):
+    def _map_per_example_sources(self):
         """Index -> (layer spec, "kernel" | "bias") for every variable of a captured layer."""
         self._fast_sources = {}
-        for spec in self._layer_specs or ():
-            for part, variable in (("kernel", spec.kernel), ("bias", spec.bias)):
-                if variable is not None:
-                    self._fast_sources[self._get_variable_index(variable)] = (spec, part)
+        for spec, kernel, bias in self._trained_layer_specs():
+            for part, index in (("kernel", kernel), ("bias", bias)):
+                if index is not None:
+                    self._fast_sources[index] = (spec, part)
 
     def _checked_tensors(self, grads, trainable_variables):
         """The non-finite guard's tensors, and for each captured layer a bound on its per-example
@@ -40,7 +40,9 @@ class PerExampleStatistics:
         pre-activation gradients they multiply do not (an input of 1e10 in one example)."""
         tensors = super()._checked_tensors(grads, trainable_variables)
         records = self._curvature_batch or {}
-        for spec in self._layer_specs or ():
+        specs = ([spec for spec, _, _ in self._trained_layer_specs()] if self.built
+                 else self._layer_specs or ())
+        for spec in specs:
             record = records.get(spec.name)
             if getattr(record, "preactivation_grads", None) is not None:
                 tensors.append((
@@ -139,7 +141,7 @@ class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimize
             return
         self._require_layer_specs()
         super().build(variables)
-        self._map_per_example_sources(variables)
+        self._map_per_example_sources()
         generic = self._layers_without_fast_path(variables)
         if generic:
             _log.info("%s: per-example gradients of %s by the generic path (slower than the "

@@ -734,6 +734,18 @@ class CurvatureConsumer:
                              "compile a tfnng.BayesianModel with it before training.")
         self._layer_specs = layer_specs
 
+    def _trained_layer_specs(self):
+        """``(spec, kernel index, bias index or None)`` of each supported layer whose variables this
+        optimizer trains (after ``build``): a layer frozen between ``compile`` and the first step
+        is among the layer specs but has no optimizer variables."""
+        for spec in self._layer_specs:
+            try:
+                kernel = self._get_variable_index(spec.kernel)
+                bias = None if spec.bias is None else self._get_variable_index(spec.bias)
+            except KeyError:
+                continue
+            yield spec, kernel, bias
+
     def _require_layer_specs(self):
         if self._layer_specs is None:
             raise ValueError(

@@ -104,7 +104,7 @@ class NoisyAdam(PerExampleStatistics, CurvatureConsumer, NoisyOptimizer):
         if self.fisher is not None:
             self._require_layer_specs()
         super().build(variables)
-        self._map_per_example_sources(variables)
+        self._map_per_example_sources()
         if self.fisher is not None:
             approximated = self._layers_without_fast_path(variables)
             if approximated:

@@ -243,12 +243,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
     def _build_blocks(self, variables):
         self._blocks = []
         taken = set()
-        for spec in self._layer_specs:
-            try:
-                k = self._get_variable_index(spec.kernel)
-                b = None if spec.bias is None else self._get_variable_index(spec.bias)
-            except KeyError:
-                continue
+        for spec, k, b in self._trained_layer_specs():
             if self._point[k] or (b is not None and self._point[b]):
                 continue
             self._blocks.append(_Block(spec, k, b))
