@@ -738,7 +738,7 @@ class CurvatureConsumer:
         """``(spec, kernel index, bias index or None)`` of each supported layer whose variables this
         optimizer trains (after ``build``): a layer frozen between ``compile`` and the first step
         is among the layer specs but has no optimizer variables."""
-        for spec in self._layer_specs:
+        for spec in self._layer_specs or ():
             try:
                 kernel = self._get_variable_index(spec.kernel)
                 bias = None if spec.bias is None else self._get_variable_index(spec.bias)
