@@ -170,6 +170,26 @@ def test_update_matches_numpy_reference(method, mc_samples):
     assert not np.allclose(got_means[0], got_means[-1])  # the reference comparison is not vacuous
 
 
+def test_ivon_hessian_update_stays_finite_where_its_value_is():
+    """An outlier batch's finite gradient (1e18, below the non-finite guard's ~1e19) gives
+    hhat ~ 1e20 in float32; (h - hhat)^2 overflowed, h became Inf, and the posterior NaN for good.
+    The new h is compared with the update in float64 from the same float32 inputs."""
+    optimizer = tfnng.optimizers.IVON(learning_rate=0.1, num_examples=10_000, hess_init=1.0)
+    w = tf.Variable([1.0, -2.0, 0.5], dtype=tf.float32)
+    optimizer.build([w])
+    optimizer.apply_gradients([(tf.constant([0.1, 0.2, -0.3]), w)])    # at the mean; draws a sample
+    mu, h = (optimizer.posterior_mean(w).numpy().astype(np.float64),
+             optimizer._slot("hess", 0).numpy().astype(np.float64))
+    sample, g = w.numpy().astype(np.float64), np.array([1e18, -1e18, 3e17])
+    delta, b2 = optimizer.intrinsic_damping, optimizer.beta_2
+    hhat = g * (sample - mu) * optimizer.ess * (h + delta)
+    want = b2 * h + (1 - b2) * hhat + 0.5 * (1 - b2) ** 2 * (h - hhat) ** 2 / (h + delta)
+    assert np.all(np.abs(hhat) > 1e19) and np.all(want < 1e37)      # the square alone overflows
+    optimizer.apply_gradients([(tf.constant(g, tf.float32), w)])
+    np.testing.assert_allclose(optimizer._slot("hess", 0).numpy(), want, rtol=1e-5)
+    assert np.isfinite(optimizer.posterior_stddev(w).numpy()).all() and np.isfinite(w.numpy()).all()
+
+
 def test_clipnorm_clips_each_monte_carlo_evaluation():
     """With mc_samples > 1, ``clipnorm`` clips every gradient evaluation before it enters the
     Monte Carlo statistics (so the squared gradients are those of clipped gradients too)."""

@@ -404,8 +404,12 @@ class IVON(NoisyOptimizer):
         delta = self.intrinsic_damping
         t = self._step_number(g.dtype)
         m.assign(self.beta_1 * m + (1 - self.beta_1) * g)
+        # The correction 0.5 (1 - beta_2)^2 (h - hhat)^2 / (h + delta) with the ratio taken
+        # first: the square alone overflows float32 at |hhat| ~ 1e19 (one outlier batch), where
+        # the correction is still finite (then h = Inf, sigma = 0 and NaN for good).
+        gap = h - hhat
         h.assign(self.beta_2 * h + (1 - self.beta_2) * hhat
-                 + 0.5 * (1 - self.beta_2) ** 2 * tf.square(h - hhat) / (h + delta))
+                 + 0.5 * (1 - self.beta_2) ** 2 * gap * (gap / (h + delta)))
         step = (m / (1 - self.beta_1 ** t) + delta * mu) / (h + delta)
         mu.assign_sub(lr * tf.clip_by_value(step, -self.clip_radius, self.clip_radius))
 
