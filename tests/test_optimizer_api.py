@@ -330,6 +330,11 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     assert by_precision.intrinsic_damping == pytest.approx(4.0 / 100)
     with pytest.raises(ValueError, match="ess"):
         tfnng.optimizers.IVON(ess=200, num_examples=200)
+    # A tempered optimizer's ess is not an integer; IVON(ess=...) re-creates it.
+    for ess in (tfnng.optimizers.IVON(num_examples=1000, kl_weight=3.0).ess, 0.4, 200.5):
+        again = tfnng.optimizers.IVON(ess=ess, weight_decay=1e-3)
+        assert again.ess == pytest.approx(ess, rel=1e-12) and again.num_examples == max(1, round(ess))
+        assert again.intrinsic_damping == pytest.approx(1e-3)
     for both in ({"beta_1": 0.5, "beta1": 0.8}, {"beta_2": 0.9, "beta2": 0.95}):
         with pytest.raises(ValueError, match="not both"):
             tfnng.optimizers.IVON(num_examples=10, **both)
@@ -375,7 +380,8 @@ def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
 
 @pytest.mark.parametrize("make, match", [
     (lambda: tfnng.optimizers.VadaGrad(num_examples=10, hess_init=float("nan")), "hess_init"),
-    (lambda: tfnng.optimizers.IVON(ess=100.5), "ess"),
+    (lambda: tfnng.optimizers.IVON(ess=0.0), "ess"),
+    (lambda: tfnng.optimizers.IVON(ess=float("inf")), "ess"),
     # weight_decay's mapping divides by them: they used to end in ZeroDivisionError/TypeError
     (lambda: tfnng.optimizers.IVON(num_examples=10, kl_weight=0, weight_decay=0.1), "kl_weight"),
     (lambda: tfnng.optimizers.IVON(num_examples=10, kl_weight=-1, weight_decay=0.1), "kl_weight"),

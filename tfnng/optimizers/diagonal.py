@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfnng import curvature as _curvature
 from tfnng.optimizers._per_example import PerExampleOptimizer, PerExampleStatistics
-from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _finite_float, _is_integer,
+from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _finite_float,
                                    _non_negative, _positive, _probability, _validate_num_examples)
 
 _log = logging.getLogger("tfnng")
@@ -339,7 +339,8 @@ class IVON(NoisyOptimizer):
     Large Deep Networks*, Alg. 1; docs/math.md, "Mean field").
 
     IVON's own names are accepted as aliases: ``ess`` (effective sample size, = N / kl_weight) instead
-    of ``num_examples``/``kl_weight``, and ``weight_decay`` (delta, = gamma_in = 1/(ess eta)) instead
+    of ``num_examples``/``kl_weight`` (N = ess when it is an integer, else the nearest integer with
+    ``kl_weight = N / ess``), and ``weight_decay`` (delta, = gamma_in = 1/(ess eta)) instead
     of ``prior_variance``. With ``hhat = g (w - mu) / sigma^2`` averaged over the MC samples::
 
         w ~ N(mu, 1 / (ess (h + delta)))
@@ -365,10 +366,11 @@ class IVON(NoisyOptimizer):
         if ess is not None:
             if num_examples is not None or "kl_weight" in kwargs:
                 raise ValueError("Pass either `ess` or `num_examples`/`kl_weight`, not both.")
-            if not _is_integer(ess) or ess <= 0:
-                raise ValueError(f"`ess` (IVON's effective sample size, used as num_examples) must "
-                                 f"be a positive integer, got {ess!r}.")
-            num_examples = ess
+            ess_value = _positive("ess", ess)
+            # ess = N / kl_weight: N the nearest integer, kl_weight what makes the ratio exact
+            num_examples = max(1, round(ess_value))
+            if num_examples != ess_value:
+                kwargs["kl_weight"] = num_examples / ess_value
         if weight_decay is not None:
             if kwargs.get("prior_variance") is not None or kwargs.get("prior_precision") is not None:
                 raise ValueError("Pass either `weight_decay` or a prior variance/precision.")
