@@ -215,6 +215,8 @@ class EpochCounter(keras.callbacks.Callback):
     ("dict", TypeError, "one array"),
     ("short_y", ValueError, "10 targets for 16 inputs"),
     ("soft_labels", ValueError, "not soft labels"),
+    ("soft_binary_labels", ValueError, "not soft labels"),       # (N,): bare metrics error later
+    ("soft_binary_column", ValueError, "not soft labels"),
     ("wrong_features", ValueError, r"takes inputs of shape \(None, 3\)"),
     ("nan_x", ValueError, "inputs `x` contain NaN"),
     ("nan_y", ValueError, "targets `y` contain NaN"),
@@ -239,9 +241,13 @@ def test_predictive_validation_rejects_unusable_data_before_training(bad, error,
         y_val = np.where(y > 0, np.inf, y)
     elif bad == "wrong_target_width":
         y_val = np.concatenate([y, y], axis=1)
-    else:
+    elif bad == "soft_labels":
         y = y_val = np.eye(2, dtype="float32")[(x[:, 0] > 0).astype(int)] * 0.9 + 0.05
         loss, units = tfnng.losses.CategoricalNLL(), 2
+    else:          # BernoulliNLL trains on probabilities of shape (N,) or (N, 1)
+        y = y_val = 1 / (1 + np.exp(-3 * x[:, :1]))
+        y = y_val = y[:, 0] if bad == "soft_binary_labels" else y
+        loss = tfnng.losses.BernoulliNLL()
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units)])
     model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=16), loss=loss)
     counter = EpochCounter()
@@ -249,6 +255,20 @@ def test_predictive_validation_rejects_unusable_data_before_training(bad, error,
         model.fit(x, y, epochs=3, verbose=0, callbacks=[
             counter, callbacks.PredictiveValidation(x_val, y_val, every=3)])
     assert counter.epochs == 0
+
+
+@pytest.mark.parametrize("column", [False, True])
+def test_predictive_validation_scores_binary_labels(column):
+    """Class ids 0/1 of a BernoulliNLL model, shape (N,) or (N, 1), pass the check of the labels
+    (its (N, 1) probabilities stand for two classes)."""
+    x, _ = regression_data(n=16)
+    y = (x[:, 0] > 0).astype("int32")
+    y = y[:, None] if column else y
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=16), loss=tfnng.losses.BernoulliNLL())
+    validation = callbacks.PredictiveValidation(x, y, num_samples=4)
+    history = model.fit(x, y, epochs=1, verbose=0, callbacks=[validation]).history
+    assert 0 <= history["val_pred_accuracy"][0] <= 1 and 0 <= history["val_pred_ece"][0] <= 1
 
 
 @pytest.mark.parametrize("unknown_length", [False, True])

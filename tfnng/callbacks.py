@@ -102,18 +102,27 @@ class PredictiveValidation(keras.callbacks.Callback):
         if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise ValueError("PredictiveValidation: the targets `y` contain NaN or Inf.")
         if likelihood.is_classification and y.ndim == 2 and y.shape[1] > 1:
-            try:
-                _metrics._class_labels(y, len(y), y.shape[1])
-            except ValueError as error:
-                raise ValueError(f"PredictiveValidation scores accuracy and calibration, which need "
-                                 f"class ids or one-hot labels (not soft labels): {error}") from None
+            self._check_labels(y, y.shape[1])
+        elif likelihood.is_classification and np.any(y != np.round(y)):
+            self._check_labels(y, 1)                     # soft labels: the error below
         if self.model.built:
             try:
                 with self._random_states_kept():        # an MC dropout layer draws even here
-                    likelihood.log_prob(y[:1], self.model(x[:1], training=False))
+                    output = self.model(x[:1], training=False)
+                    likelihood.log_prob(y[:1], output)
             except (ValueError, TypeError, tf.errors.OpError) as error:
                 raise ValueError("PredictiveValidation: the model and its likelihood cannot score "
                                  f"the validation data `x`, `y`: {error}") from error
+            if likelihood.is_classification:       # (N, 1) binary probabilities: two classes
+                self._check_labels(y, max(2, likelihood.probabilities(output).shape[-1]))
+
+    @staticmethod
+    def _check_labels(y, num_classes):
+        try:
+            _metrics._class_labels(y, len(y), num_classes)
+        except ValueError as error:
+            raise ValueError("PredictiveValidation scores accuracy and calibration, which need "
+                             f"class ids or one-hot labels (not soft labels): {error}") from None
 
     @contextlib.contextmanager
     def _random_states_kept(self):
@@ -174,7 +183,9 @@ def histogram_buckets(values, bucket_count=30):
 def optimizer_scalars(optimizer):
     """The step-size and damping quantities a tfnng optimizer exposes, as floats keyed by name.
 
-    ``learning_rate`` (a schedule's value for the next update, ``schedule(iterations)``),
+    ``learning_rate`` (a schedule's value for the next update: tfnng schedules count posterior
+    updates, ``schedule(update_count)``, which differs from Keras's ``iterations`` when
+    ``mc_samples > 1``),
     ``skipped_updates``; the intrinsic damping ``lambda / (N eta)`` of the diagonal and per-example
     families, or the sampling and mean-step dampings of the K-FAC family with its
     ``kl_clip_threshold`` ``c_k`` for the next update (NNG App. C.2, eq. 26) and
