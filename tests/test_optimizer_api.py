@@ -189,6 +189,8 @@ def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
     weights = [v.numpy() for v in two_outputs.trainable_variables]
     with pytest.raises(ValueError, match="one output tensor"):        # was an AttributeError
         tfnng.predict(two_outputs, x, num_samples=2, likelihood=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match="compiled with 2 losses, one per output"):
+        tfnng.predict(two_outputs, x, num_samples=2)
     for before, variable in zip(weights, two_outputs.trainable_variables):
         np.testing.assert_array_equal(before, variable.numpy())
 

@@ -100,6 +100,9 @@ class LikelihoodLoss(keras.losses.Loss):
     Subclasses implement ``call``, ``log_prob`` and ``distribution``; ``sample`` is shared.
     ``reduction`` is a mean over the batch (Keras's default; a sum is refused, since tfnng
     optimizers scale the mean loss by N) or ``"none"`` (per-example values, for custom loops).
+    Do not compile a model with ``"none"``: Keras then trains on the batch *sum*, and a tfnng
+    optimizer, which cannot see the loss of a plain model, fits a posterior about B times too
+    narrow (``tfnng.BayesianModel.compile`` refuses it).
     """
 
     is_classification = False

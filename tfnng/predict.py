@@ -52,6 +52,11 @@ class Predictive:
 def _likelihood_of(model, likelihood, caller="tfnng.predict"):
     if likelihood is None:
         likelihood = _losses.single_loss(getattr(model, "loss", None))
+    if isinstance(likelihood, (list, tuple, dict)):
+        raise ValueError(
+            f"{caller} scores one output with one likelihood; the model is compiled with "
+            f"{len(likelihood)} losses, one per output. Draw weight samples with "
+            "`model.optimizer.sample_weights()` and call the model at each.")
     if not all(hasattr(likelihood, attr) for attr in ("log_prob", "is_classification")):
         raise ValueError(
             f"{caller} needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
@@ -83,6 +88,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     Returns:
         A :class:`Predictive`.
     """
+    x = _inputs(x, model)
     likelihood = _likelihood_of(model, likelihood)
     num_samples = _positive_int("num_samples", num_samples)
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))   # mixed_float16 wraps it
@@ -90,7 +96,6 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
     if bayesian:
         optimizer._require_posterior_of(model)      # else an error, not one deterministic draw
     num_samples = num_samples if bayesian else 1
-    x = _inputs(x, model)
     batch_size = x.shape[0] if batch_size is None else _positive_int("batch_size", batch_size)
     forward = _traced_forward(model)
     draw = _traced_draw(optimizer) if bayesian else None
