@@ -160,6 +160,10 @@ def test_evaluate_reports_the_weighted_kl_and_runs_the_net_in_inference_mode():
                                float(model.loss(y, net(shifted, training=False))), rtol=1e-5)
     for variable, value in zip(net.non_trainable_variables, statistics):
         np.testing.assert_array_equal(variable.numpy(), value)
+    # Each metric once (the trackers used to be listed twice: evaluate's list, test_on_batch).
+    assert model.metrics_names == ["loss", "nll", "kl"]
+    assert model.test_on_batch(shifted, y) == pytest.approx(
+        [evaluated[name] for name in model.metrics_names], rel=1e-5)
 
 
 def test_plain_kfac_has_no_posterior_distribution():

@@ -503,10 +503,6 @@ class BayesianModel(keras.Model):
     def output_shape(self):
         return self.net.output_shape
 
-    @property
-    def metrics(self):
-        return super().metrics + [self._nll_tracker, self._kl_tracker]
-
     # ------------------------------------------------------------------------------ curvature
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
