@@ -515,6 +515,68 @@ def test_a_layer_frozen_between_compile_and_fit_trains_as_if_frozen_before(make_
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)   # graphs differ
 
 
+class UnusedHead(keras.Model):
+    """A net whose auxiliary head the forward pass does not call (built, with trainable weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = keras.layers.Dense(2), keras.layers.Dense(2)
+
+    def build(self, input_shape):
+        self.body.build(input_shape)
+        self.head.build(input_shape)
+
+    def call(self, x):
+        return self.body(x)
+
+
+def test_a_layer_the_step_does_not_call_is_a_clear_error_and_freezing_it_works():
+    x, y = classification_data(n=16)
+    net = UnusedHead()
+    net.build((None, 6))
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=tfnng.optimizers.VOGN(num_examples=16), loss=tfnng.losses.CategoricalNLL())
+    with pytest.raises(ValueError, match=r"not called in the forward pass.*freeze a layer the step "
+                                         r"does not use"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=tfnng.optimizers.VOGN(num_examples=16), loss=tfnng.losses.CategoricalNLL())
+    net.head.trainable = False                       # after compile: read at the first step
+    head = [v.numpy() for v in net.head.weights]
+    assert np.isfinite(model.fit(x, y, batch_size=8, verbose=0).history["loss"]).all()
+    for before, variable in zip(head, net.head.weights):
+        np.testing.assert_array_equal(variable.numpy(), before)
+
+
+@pytest.mark.parametrize("train", ["fit", "train_on_batch"])
+def test_trainable_changed_between_compile_and_fit_sets_the_kronecker_structure(train):
+    """The layers are those trainable at the first step, as Keras's: a Dense unfrozen after
+    compile gets its block (it fell back to a diagonal posterior), and a chain links across a
+    Dense frozen after compile (block-tridiagonal had silently lost the chain)."""
+    x, y = classification_data(n=16)
+
+    def structure(frozen_at_compile, frozen_at_fit, **kwargs):
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh", name="a"),
+                                keras.layers.Dense(5, activation="relu", name="b"),
+                                keras.layers.Dense(2, name="c")])
+        net.get_layer("b").trainable = not frozen_at_compile
+        model = tfnng.BayesianModel(net)
+        optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.01, num_examples=16, **kwargs)
+        model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+        net.get_layer("b").trainable = not frozen_at_fit
+        if train == "fit":
+            model.fit(x, y, batch_size=16, verbose=0)
+        else:
+            model.train_on_batch(x, y)
+        return ([block.spec.layer.name for block in optimizer._blocks],
+                [[block.spec.layer.name for block in chain] for chain in optimizer._chains])
+
+    assert structure(True, False) == structure(False, False) == (["a", "b", "c"], [])
+    assert (structure(False, True, block_tridiagonal=True)
+            == structure(True, True, block_tridiagonal=True) == (["a", "c"], [["a", "c"]]))
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n),
     lambda n: tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=n)])

@@ -533,6 +533,25 @@ class BayesianModel(keras.Model):
         if self.built:
             self.optimizer.build(self.trainable_variables)
 
+    def fit(self, *args, **kwargs):
+        self._refresh_stale_capture()
+        return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        self._refresh_stale_capture()
+        return super().train_on_batch(*args, **kwargs)
+
+    def _refresh_stale_capture(self):
+        """Layers frozen or unfrozen between ``compile`` and the first step: an optimizer not
+        built yet gets the supported layers as they are now (Keras reads ``trainable`` then too)."""
+        optimizer = unwrap_optimizer(getattr(self, "optimizer", None))
+        if self._layer_capture is None or getattr(optimizer, "built", True):
+            return
+        now = [id(spec.layer) for spec in _capture.find_layers(self.net)[0]]
+        if now != [id(spec.layer) for spec in self._layer_capture.specs]:
+            self._layer_capture = None
+            self._prepare_curvature()
+
     def _prepare_curvature(self):
         requirements = _requirements(self.optimizer)
         if requirements is None or self._layer_capture is not None:

@@ -291,5 +291,8 @@ class LayerCapture:
         """The records of the last forward pass, keyed by layer name, in the order of ``specs``."""
         missing = [spec.name for spec in self.specs if spec.name not in self.records]
         if missing:
-            raise ValueError(f"Layers {missing} were not called in the forward pass.")
+            raise ValueError(
+                f"Layers {missing} were not called in the forward pass. Optimizers that read layer "
+                "curvature need every trainable Dense/Conv2D layer in each training step: freeze a "
+                "layer the step does not use (`layer.trainable = False`).")
         return {spec.name: self.records[spec.name] for spec in self.specs}
