@@ -75,11 +75,15 @@ def test_gamma_kl_matches_closed_form_and_numeric_integration(a, b, a0, b0):
     assert got == pytest.approx(_gamma_kl_closed_form(a, b, a0, b0), rel=1e-9)
 
 
-def test_add_loss_is_weighted_kl_over_num_examples():
-    layer = NoisePrecision(250, kl_weight=0.5)
+@pytest.mark.parametrize("dtype", [None, "mixed_float16", "mixed_bfloat16"])
+def test_add_loss_is_weighted_kl_over_num_examples(dtype):
+    """Also with a mixed dtype given: q(tau) stays in float32 (a half-precision read of the log
+    parameters had met the float32 prior in the KL: a dtype error)."""
+    layer = NoisePrecision(250, kl_weight=0.5, dtype=dtype)
     model = _mean_model(3, layer)
     _set_posterior(layer, [2.0, 7.0, 30.0], [1.0, 5.0, 4.0])
-    model(np.zeros((4, 3), np.float32))
+    outputs = model(np.zeros((4, 3), np.float32))
+    assert outputs.dtype == (dtype or "float32").replace("mixed_", "")
     expected = 0.5 * sum(
         _gamma_kl_closed_form(a, b, 6.0, 6.0) for a, b in [(2.0, 1.0), (7.0, 5.0), (30.0, 4.0)]
     ) / 250

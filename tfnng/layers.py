@@ -157,7 +157,8 @@ class NoisePrecision(keras.layers.Layer):
                    [math.log(self.initial_rate)] * num_outputs]
         self.log_parameters = mark_natural_parameter(self.add_weight(
             name="log_parameters", shape=(2, num_outputs), trainable=True,
-            initializer=lambda shape, dtype: tf.constant(initial, dtype)),
+            initializer=lambda shape, dtype: tf.constant(initial, dtype),
+            autocast=False),      # q(tau) in the variable's precision under a mixed dtype too
             functools.partial(_gamma_natural_step, num_examples=self.num_examples,
                               kl_weight=self.kl_weight))
 
