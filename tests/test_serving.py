@@ -332,6 +332,8 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
         with pytest.raises(ValueError, match=message):
             serving.export(regression, bad_path)
     assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
+    with pytest.raises(ValueError, match="cannot create the directory"):   # a bare NotFoundError
+        serving.export(regression, tmp_path / "file" / "1")
 
     def net():
         return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

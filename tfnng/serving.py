@@ -364,6 +364,15 @@ def _export_directory(path):
     return path
 
 
+def _create_directory(path):
+    """A clear error where TensorFlow's saver would raise a bare ``NotFoundError``."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"tfnng.serving.export: cannot create the directory {path!r}: "
+                         f"{error.strerror or error}.") from None
+
+
 def export(model, path, num_samples=100, outputs=("mean", "variance", "samples"), likelihood=None):
     """Write a SavedModel of ``model``'s Monte Carlo predictive with in-graph posterior sampling.
 
@@ -396,4 +405,5 @@ def export(model, path, num_samples=100, outputs=("mean", "variance", "samples")
     module = _Predictive(model, optimizer, likelihood, num_samples, outputs, *_tensor_specs(model))
     signatures = {"serving_default": module.serving_default.get_concrete_function(),
                   "seeded": module.seeded.get_concrete_function()}
+    _create_directory(path)
     tf.saved_model.save(module, path, signatures=signatures)
