@@ -30,6 +30,8 @@ from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
 from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, predict
 
+_NEEDS_LABELS = ("PredictiveValidation scores accuracy and calibration, which need class ids or "
+                 "one-hot labels (not soft labels)")
 
 def _tfnng_optimizer(model, caller):
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))
@@ -104,7 +106,7 @@ class PredictiveValidation(keras.callbacks.Callback):
         if likelihood.is_classification and y.ndim == 2 and y.shape[1] > 1:
             self._check_labels(y, y.shape[1])
         elif likelihood.is_classification and np.any(y != np.round(y)):
-            self._check_labels(y, 1)                     # soft labels: the error below
+            raise ValueError(f"{_NEEDS_LABELS}: `y` holds values that are not class ids.")
         if self.model.built:
             try:
                 with self._random_states_kept():        # an MC dropout layer draws even here
@@ -121,8 +123,7 @@ class PredictiveValidation(keras.callbacks.Callback):
         try:
             _metrics._class_labels(y, len(y), num_classes)
         except ValueError as error:
-            raise ValueError("PredictiveValidation scores accuracy and calibration, which need "
-                             f"class ids or one-hot labels (not soft labels): {error}") from None
+            raise ValueError(f"{_NEEDS_LABELS}: {error}") from None
 
     @contextlib.contextmanager
     def _random_states_kept(self):
