@@ -52,11 +52,11 @@ class Predictive:
 def _likelihood_of(model, likelihood, caller="tfnng.predict"):
     if likelihood is None:
         likelihood = _losses.single_loss(getattr(model, "loss", None))
-    if isinstance(likelihood, (list, tuple, dict)):
-        raise ValueError(
-            f"{caller} scores one output with one likelihood; the model is compiled with "
-            f"{len(likelihood)} losses, one per output. Draw weight samples with "
-            "`model.optimizer.sample_weights()` and call the model at each.")
+        if isinstance(likelihood, (list, tuple, dict)):
+            raise ValueError(
+                f"{caller} scores one output with one likelihood; the model is compiled with "
+                f"{len(likelihood)} losses, one per output. Draw weight samples with "
+                "`model.optimizer.sample_weights()` and call the model at each.")
     if not all(hasattr(likelihood, attr) for attr in ("log_prob", "is_classification")):
         raise ValueError(
             f"{caller} needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
