@@ -596,8 +596,11 @@ def test_errors_and_serialization():
     x, y = classification_data(n=16)
     net = dense_net()
     net.compile(optimizer=tfnng.optimizers.NoisyKFAC(num_examples=16), loss="mse")
-    with pytest.raises(ValueError, match="BayesianModel"):
+    with pytest.raises(ValueError, match="BayesianModel.*hand-written loop.*prepare_curvature"):
         net.fit(x, y.astype("float32"), verbose=0)
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])   # found no layers: all fell back silently
+    with pytest.raises(ValueError, match="LayerCapture needs a built model"):
+        cap.LayerCapture(unbuilt)
     with pytest.raises(ValueError, match="fisher"):
         tfnng.optimizers.NoisyKFAC(num_examples=16, fisher="exact")
     with pytest.raises(ValueError, match="mc_samples"):

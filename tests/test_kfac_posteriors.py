@@ -95,6 +95,9 @@ def test_samples_have_the_mvg_covariance_and_operators_match_dense():
     kl = kr.mvg_kl_to_isotropic_prior(tf.constant(mean), cache["a_values"], cache["s_values"],
                                       scale, eta).numpy()
     np.testing.assert_allclose(kl, kl_dense, rtol=1e-10)
+    as_tensor = kr.mvg_kl_to_isotropic_prior(tf.constant(mean), cache["a_values"],
+                                             cache["s_values"], scale, tf.constant(eta, tf.float32))
+    np.testing.assert_allclose(as_tensor, kl_dense, rtol=1e-6)   # eta rounded to float32
 
 
 def _chain_factors(rng, dims_in, dims_out, n=40):
@@ -164,3 +167,6 @@ def test_block_tridiagonal_matches_dense_construction():
                       - np.linalg.slogdet(cov)[1])
     kl = kr.blktri_kl_to_isotropic_prior([tf.constant(m) for m in means], blocks, scale, eta)
     np.testing.assert_allclose(kl.numpy(), kl_dense, rtol=1e-9)
+    as_tensor = kr.blktri_kl_to_isotropic_prior([tf.constant(m) for m in means], blocks, scale,
+                                                tf.constant(eta, tf.float32))
+    np.testing.assert_allclose(as_tensor, kl_dense, rtol=1e-6)   # a float32 tensor, as elsewhere

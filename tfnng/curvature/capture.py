@@ -236,6 +236,10 @@ class LayerCapture:
     """Records inputs and pre-activations (via zero tensors) of the supported layers of a model."""
 
     def __init__(self, model):
+        if not model.built:           # its layers have no variables yet: none would be found
+            raise ValueError(
+                f"LayerCapture needs a built model, {model.name!r} is not: build it first "
+                "(`net.build(input_shape)`, or call it on a batch).")
         self.model = model
         self.specs, self.fallback_layers = find_layers(model)
         # Per thread: replicas of a tf.distribute strategy trace their forward passes in their own

@@ -751,7 +751,9 @@ class CurvatureConsumer:
             raise ValueError(
                 f"{type(self).__name__} needs the layer inputs and pre-activation gradients that "
                 "the averaged gradient cannot give: wrap the model, `model = "
-                "tfnng.BayesianModel(net)`, and compile that model with this optimizer.")
+                "tfnng.BayesianModel(net)`, and compile that model with this optimizer (in a "
+                "hand-written loop: `optimizer.prepare_curvature(capture.specs)` before "
+                "`optimizer.build`, see tfnng.models).")
 
     def curvature_due(self):
         """Whether the next ``apply_gradients`` consumes curvature statistics (bool tensor)."""

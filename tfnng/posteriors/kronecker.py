@@ -190,7 +190,7 @@ def mvg_kl_to_isotropic_prior(mean, a_values, s_values, scale, prior_variance):
     mean = tf.cast(mean, tf.float64)
     a_values = tf.cast(a_values, tf.float64)
     s_values = tf.cast(s_values, tf.float64)
-    eta = tf.constant(prior_variance, tf.float64)
+    eta = _f64(prior_variance)
     scale2 = _f64(scale) ** 2
     p = tf.cast(tf.size(a_values), tf.float64)
     q = tf.cast(tf.size(s_values), tf.float64)
@@ -347,7 +347,7 @@ def blktri_kl_to_isotropic_prior(means, blocks, scale, prior_variance):
     ``log|Xi| = 0``; ``log|Lambda_l| = sum log D_l + 2 log|K_A (x) K_S|``; the trace uses
     ``tr(Xi^T Lambda Xi) = sum_l tr(Lambda_l) + tr(Psi_l^T Lambda_l Psi_l)`` (marginal variances).
     """
-    eta = tf.constant(prior_variance, tf.float64)
+    eta = _f64(prior_variance)
     scale2 = _f64(scale) ** 2
     variances = blktri_marginal_variances(blocks, _f64(scale))
     total = tf.constant(0.0, tf.float64)
