@@ -387,6 +387,45 @@ def test_hand_written_loop():
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < losses[0]
 
 
+def test_hand_written_loop_with_the_nets_losses_equals_fit():
+    """docs/kfac.md's loop with ``compute_loss`` adding ``net.losses`` (a kernel regulariser here)
+    gives BayesianModel.fit's posterior on the same batches and seeds, bit for bit."""
+    x, y = classification_data(n=16)
+    loss_fn = tfnng.losses.CategoricalNLL()
+
+    def setup():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
+            5, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.5)), keras.layers.Dense(2)])
+        return net, tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=16, seed=3)
+
+    net, optimizer = setup()
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=optimizer, loss=loss_fn)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    by_fit = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
+
+    net, optimizer = setup()
+    seed = keras.random.SeedGenerator(0)          # BayesianModel's seed of the sampled targets
+    capture = cap.LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        _, _, grads, curvature = tfnng.models.gradients_and_curvature(
+            net, capture, optimizer, loss_fn, xb, yb, seed=seed,
+            compute_loss=lambda y_pred: loss_fn(yb, y_pred) + sum(net.losses))
+        optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+
+    for _ in range(2):
+        for start in (0, 8):
+            step(x[start:start + 8], y[start:start + 8])
+    for loop, fit in zip([optimizer.posterior_mean(v).numpy() for v in net.trainable_variables],
+                         by_fit):
+        np.testing.assert_array_equal(loop, fit)
+
+
 class _NoiselessKFAC(tfnng.optimizers.NoisyKFAC):
     """NoisyKFAC whose samples are the mean (sqrt(lambda / N) = 0): deterministic evaluations."""
 

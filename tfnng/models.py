@@ -231,7 +231,9 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             curvature is ``sum_n w_n`` times its contribution (the layer inputs are not weighted).
         seed: a ``keras.random.SeedGenerator`` for the true Fisher's target samples (or None).
         compute_loss: optional ``f(y_pred) -> scalar`` training loss (default: ``loss_fn(y, y_pred,
-            sample_weight)``); BayesianModel passes Keras's compiled loss.
+            sample_weight)`` alone, without the net's own losses ``net.losses``, regularisers and
+            ``add_loss`` terms: pass a ``compute_loss`` that adds them to train on them);
+            BayesianModel passes Keras's compiled loss, which includes them.
         compute_likelihood_loss: optional ``f(y_pred) -> scalar``, the training loss without the
             net's own losses (``add_loss`` terms, activity regularisers); the empirical Fisher
             differentiates it when one of those depends on a captured pre-activation, so that the
