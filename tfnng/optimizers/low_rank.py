@@ -103,7 +103,8 @@ class SLANG(FlatPosteriorOptimizer):
         return _low_rank.marginal_variances(self._low_rank, self._diagonal)
 
     def _scaled_factors(self):
-        """``(U, d)`` of the posterior precision ``(N/lambda) (U U^T + diag d)``."""
+        """The posterior precision ``(N/lambda) (U U^T + diag d)`` of the state ``U, d`` as
+        ``(sqrt(N/lambda) U, (N/lambda) d)``: the precision is ``U' U'^T + diag d'`` of these."""
         scale = self._covariance_scale_as(self._diagonal.dtype)
         return self._low_rank / tf.sqrt(scale), self._diagonal / scale
 
