@@ -121,10 +121,14 @@ def main(argv=None):
     if args.batch_size % args.replicas:
         parser.error("--batch-size must be a multiple of --replicas (Keras splits each global "
                      "batch into equal shares)")
+    x_train, y_train, x_test, y_test = load_data(args.smoke)
+    if len(x_train) % args.batch_size % args.replicas:
+        parser.error(f"the last, partial batch of the {len(x_train)} training examples "
+                     f"({len(x_train) % args.batch_size}) must split evenly over the replicas too: "
+                     "Keras weighs the replicas' gradients equally (docs/distributed.md)")
     devices = configure_logical_cpus(args.replicas)
     mirrored = tf.distribute.MirroredStrategy(devices)
     print(f"MirroredStrategy over {mirrored.num_replicas_in_sync} replicas: {devices}")
-    x_train, y_train, x_test, y_test = load_data(args.smoke)
     epochs = 2 if args.smoke else args.epochs
     results = {}
     for name in ("noisy_adam", "noisy_kfac"):
