@@ -54,6 +54,14 @@ def test_classification_calibration_smoke(tmp_path):
     assert adam["accuracy"] > 0.5                          # one epoch of Adam already learns (chance: 0.1)
 
 
+@pytest.mark.parametrize("kl_weight", ["0", "-1", "nan"])
+def test_classification_tutorial_refuses_a_bad_kl_weight_before_loading(kl_weight, capsys):
+    """These reached tfnng's own check after the data loaded, as a traceback."""
+    with pytest.raises(SystemExit) as stop:
+        _load("classification_calibration").main(["--smoke", "--kl-weight", kl_weight])
+    assert stop.value.code == 2 and "--kl-weight must be a positive number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("epochs", ["0", "-1"])      # -1 used to repeat the data forever
 def test_demo_refuses_a_non_positive_epoch_count(epochs, capsys):
     from tfnng import demo

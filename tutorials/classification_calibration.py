@@ -80,6 +80,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
+    if not (math.isfinite(args.kl_weight) and args.kl_weight > 0):
+        parser.error("--kl-weight must be a positive number")
     epochs = 1 if args.smoke else args.epochs
     num_samples = 5 if args.smoke else 50
 
