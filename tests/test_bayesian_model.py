@@ -560,9 +560,7 @@ def test_a_layer_frozen_between_compile_and_fit_trains_as_if_frozen_before(make_
     optimizer.prepare_curvature(capture.specs)
     net.layers[1].trainable = False
     optimizer.build(net.trainable_variables)
-    _, _, grads, curvature = tfnng.models.gradients_and_curvature(
-        net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
-    optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+    curvature_step(net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y)
     assert int(optimizer._update_count.numpy()) == 1
 
 

@@ -7,6 +7,12 @@ def variable_path(variable):
     return getattr(variable, "path", variable.name)
 
 
+def layer_paths(variables):
+    """Sorted paths of the layers holding ``variables`` (each variable's path without its last
+    part), for messages naming layers."""
+    return sorted({variable_path(v).rsplit("/", 1)[0] for v in variables})
+
+
 def unique_names(names):
     """``names`` with repeats made unique by a suffix: ``["a", "a", "b"] -> ["a", "a_1", "b"]``."""
     seen, result = set(), []

@@ -33,6 +33,7 @@ from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, predi
 _NEEDS_LABELS = ("PredictiveValidation scores accuracy and calibration, which need class ids or "
                  "one-hot labels (not soft labels)")
 
+
 def _tfnng_optimizer(model, caller):
     optimizer = unwrap_optimizer(getattr(model, "optimizer", None))
     if not isinstance(optimizer, NoisyOptimizer):

@@ -69,7 +69,7 @@ from keras.src.trainers import data_adapters
 from tfnng import _markers
 from tfnng import losses as _losses
 from tfnng._dtypes import at_least_float32
-from tfnng._names import unique_names
+from tfnng._names import layer_paths, unique_names
 from tfnng._xla import checked
 from tfnng.curvature import capture as _capture
 from tfnng.curvature import per_example as _per_example
@@ -409,9 +409,8 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_
     """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``),
     scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``;
     differentiated at ``example_scale`` (a loss scale over the batch size) and unscaled."""
-    names = sorted({v.path.rsplit("/", 1)[0] for v in variables})
     likelihood = _single_likelihood(
-        loss_fn, f"The per-example gradients of {', '.join(names)} (no Dense/Conv2D fast path: "
+        loss_fn, f"The per-example gradients of {', '.join(layer_paths(variables))} (no Dense/Conv2D fast path: "
                  "each example's log-likelihood is differentiated)",
         "for Dense/Conv2D layers (with fisher='empirical'): mark these layers' variables as point "
         "estimates with tfnng.mark_point_estimate")

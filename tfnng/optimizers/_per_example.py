@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from tfnng import curvature as _curvature
+from tfnng._names import layer_paths
 from tfnng._xla import checked
 from tfnng.curvature import kronecker as _rows
 from tfnng.curvature import per_example as _per_example
@@ -54,8 +55,8 @@ class PerExampleStatistics:
 
     def _layers_without_fast_path(self, variables):
         """Sorted paths of the layers holding Bayesian variables that no fast path covers."""
-        return sorted({variables[i].path.rsplit("/", 1)[0] for i in range(len(variables))
-                       if i not in self._fast_sources and not self._point[i]})
+        return layer_paths(v for i, v in enumerate(variables)
+                           if i not in self._fast_sources and not self._point[i])
 
     def _records(self):
         if self._curvature_batch is None:

@@ -66,7 +66,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng import curvature as _curvature
-from tfnng._names import unique_names
+from tfnng._names import layer_paths, unique_names
 from tfnng._xla import compiled_with_xla
 from tfnng.curvature import kronecker as _factors
 from tfnng.optimizers.base import (CurvatureConsumer, NoisyOptimizer, _boolean, _non_negative,
@@ -266,7 +266,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         self._inverse_failures = self.add_variable((), initializer="zeros", dtype="int64",
                                                    name="inverse_failures")
         if self._fallback:
-            names = sorted({variables[i].path.rsplit("/", 1)[0] for i in self._fallback})
+            names = layer_paths(variables[i] for i in self._fallback)
             kind = ("a diagonal (noisy Adam) posterior" if self._noisy
                     else "a diagonal (Adam-like, no square root) preconditioner")
             _logger.warning("%s: no Kronecker-factored curvature for %s; their weights get %s.",
