@@ -228,6 +228,18 @@ def _serving():
     return dict(x=x[:64], y=y[:64], x_new=x[64:], model=model)
 
 
+def _which_optimizer():
+    # Regression with 13 features: ``model`` trained for one epoch with NoisyAdam, and its ``loss``.
+    x, y = _regression(64, 13)
+    loss = tfnng.losses.GaussianNLL(0.5)
+    model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=1e-2, num_examples=len(x)),
+                  loss=loss)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return dict(x=x, y=y, model=model, loss=loss)
+
+
 # page -> (prelude, epochs cap)
 PRELUDES = {
     "README.md": (_readme, 1),
@@ -242,6 +254,7 @@ PRELUDES = {
     "docs/predictive.md": (_predictive, 1),
     "docs/saving.md": (_saving, 1),
     "docs/serving.md": (_serving, 1),
+    "docs/which_optimizer.md": (_which_optimizer, 1),
 }
 EXAMPLE_PAGES = [page for page in _pages() if "```python" in page.read_text(encoding="utf-8")]
 

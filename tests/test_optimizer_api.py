@@ -66,6 +66,35 @@ def test_fit_starts_the_posterior_at_the_initial_weights_and_hess_init(jit_compi
         np.testing.assert_allclose(optimizer._slot("hess", 0).numpy(), 0.7, rtol=1e-4)
 
 
+def test_a_new_optimizer_starts_from_the_weights_the_model_holds():
+    """The recipe of docs/which_optimizer.md, "Switching optimizers": after fit the model holds a
+    sample, which a newly compiled optimizer takes as its mean unless the old mean is written in."""
+    x, y = regression_data()
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=len(x)),
+                  loss="mse")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    old = model.optimizer
+    sample = [v.numpy() for v in model.trainable_variables]
+    mean = [old.posterior_mean(v).numpy() for v in model.trainable_variables]
+
+    def first_mean_of_a_new_optimizer():
+        model.compile(optimizer=tfnng.optimizers.IVON(learning_rate=0.0, num_examples=len(x)),
+                      loss="mse")
+        model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+        return [model.optimizer.posterior_mean(v).numpy() for v in model.trainable_variables]
+
+    for got, want in zip(first_mean_of_a_new_optimizer(), sample):
+        np.testing.assert_array_equal(got, want)
+    for variable, value in zip(model.trainable_variables, sample):
+        variable.assign(value)                       # back to the state fit left
+    for variable in model.trainable_variables:       # the recipe
+        variable.assign(old.posterior_mean(variable))
+    for got, want in zip(first_mean_of_a_new_optimizer(), mean):
+        np.testing.assert_array_equal(got, want)
+    assert not np.allclose(mean[0], sample[0])
+
+
 def noisy_adam_regression(num_examples):
     model = small_net()
     model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=num_examples),
