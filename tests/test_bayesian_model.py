@@ -494,13 +494,46 @@ class SubclassedNet(keras.Model):
 @pytest.mark.parametrize("make_net", [
     SubclassedNet, lambda: keras.Sequential([keras.layers.Dense(8, activation="tanh"),
                                              keras.layers.Dense(2)])])
-def test_nets_built_by_their_first_batch_get_every_layer_captured(make_net):
-    """Keras builds an unbuilt net while tracing the first train step: K-FAC still gets its layers."""
+def test_nets_built_by_their_first_batch_get_every_layer_captured(make_net, tmp_path):
+    """Keras builds an unbuilt net while tracing the first train step: K-FAC still gets its layers,
+    and the wrapper is built too (its weights could not be saved: "not yet been built")."""
     x, y = classification_data(n=32)
     optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=len(x), seed=0)
     model, history = fit(make_net(), optimizer, x, y, epochs=2)
     assert len(optimizer._blocks) == 2 and np.isfinite(history["loss"]).all()
     assert int(optimizer._update_count.numpy()) == 2 * 2
+    assert model.built
+    model.save_weights(tmp_path / "model.weights.h5")
+    restored = tfnng.BayesianModel(make_net())
+    restored.compile(optimizer=tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=len(x)),
+                     loss=tfnng.losses.CategoricalNLL())
+    restored.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)     # builds net and optimizer
+    restored.load_weights(tmp_path / "model.weights.h5")
+    for variable, twin in zip(model.net.trainable_variables, restored.net.trainable_variables):
+        np.testing.assert_array_equal(restored.optimizer.posterior_mean(twin),
+                                      optimizer.posterior_mean(variable))
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda n: tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=n, seed=0),
+    lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n, seed=0)])
+def test_a_loss_keyed_by_the_nets_output_name_trains_as_the_loss_itself(make_optimizer):
+    """Keras matches a dict loss against ``model.output_names``, which the wrapper takes from its
+    net (the first step failed with "'NoneType' object is not iterable")."""
+    x, y = classification_data(n=32)
+    results = []
+    for loss in (tfnng.losses.CategoricalNLL(), {"logits": tfnng.losses.CategoricalNLL()}):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = tfnng.BayesianModel(keras.Model(inputs, keras.layers.Dense(2, name="logits")(hidden)))
+        model.compile(optimizer=make_optimizer(len(x)), loss=loss)
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+        results.append((history["loss"], [v.numpy() for v in model.trainable_variables]))
+    assert model.output_names == ["logits"]
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for first, second in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(first, second)
 
 
 @pytest.mark.parametrize("make_optimizer, joint", [

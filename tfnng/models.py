@@ -501,6 +501,12 @@ class BayesianModel(keras.Model):
         return self.net.input_shape
 
     @property
+    def output_names(self):
+        """The net's output names (an AttributeError if it has none, as for a Sequential): Keras
+        matches a loss or metrics given per output name against them."""
+        return self.net.output_names
+
+    @property
     def output_shape(self):
         return self.net.output_shape
 
@@ -607,6 +613,10 @@ class BayesianModel(keras.Model):
                 # Keras defers building to the first trace of the train step; the captured layers
                 # and the optimizer's state need the net's variables first.
                 self.net(x, training=False)
+            if not self.built:
+                # Keras records the input shapes of `build` for saving (and for save_weights, which
+                # needs a built model).
+                self.build(tf.nest.map_structure(lambda tensor: tuple(tensor.shape), x))
             self._require_trainable_variables()
             if self._layer_capture is None:
                 self._prepare_curvature()
