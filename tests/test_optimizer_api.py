@@ -495,8 +495,79 @@ def test_learning_rate_schedules_giving_negative_or_nan_values_stop_training(lea
     model = small_net()
     model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate, num_examples=32),
                   loss=tfnng.losses.GaussianNLL())
-    with pytest.raises(tf.errors.InvalidArgumentError, match="learning_rate` schedule"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning rate must be finite"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("rate", [-0.01, float("nan")])
+def test_learning_rates_assigned_after_construction_are_checked_at_each_step(rate):
+    """Keras's LearningRateScheduler assigns its value to the optimizer's rate variable: NaN made
+    every posterior mean NaN (and every later update was skipped), a negative rate trained uphill."""
+    x, y = regression_data(n=32)
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(0.01, num_examples=32),
+                  loss=tfnng.losses.GaussianNLL())
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    means = [model.optimizer.posterior_mean(v).numpy() for v in model.trainable_variables]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning rate must be finite"):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                  callbacks=[keras.callbacks.LearningRateScheduler(lambda epoch: rate)])
+    for variable, mean in zip(model.trainable_variables, means):
+        np.testing.assert_array_equal(model.optimizer.posterior_mean(variable), mean)
+
+
+def test_posterior_access_before_the_first_step_does_not_fix_where_the_posterior_starts():
+    """The means start at the weights the model holds at the first update: a look at the initial
+    posterior before loading pre-trained weights used to fix the means at the random initial
+    weights. ``sample_weights`` does fix them (it overwrites the weights with a sample)."""
+    x, y = regression_data(n=32)
+    model = small_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(0.0, num_examples=32),
+                  loss=tfnng.losses.GaussianNLL())
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    kernel = model.layers[0].kernel
+    initial = kernel.numpy()
+    np.testing.assert_array_equal(optimizer.posterior_mean(kernel), initial)
+    float(optimizer.kl_divergence())
+    tfnng.predict(model, x, num_samples=2)
+    with optimizer.use_mean():
+        pass
+    pretrained = [np.full_like(w, 0.5) for w in model.get_weights()]
+    model.set_weights(pretrained)
+    np.testing.assert_array_equal(optimizer.posterior_mean(kernel), pretrained[0])
+    optimizer.sample_weights()
+    sample = [v.numpy() for v in model.trainable_variables]
+    assert not np.allclose(sample[0], 0.5)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)       # learning rate 0: the mean stays
+    for variable, value in zip(model.trainable_variables, pretrained):
+        np.testing.assert_array_equal(optimizer.posterior_mean(variable), value)
+
+
+def test_a_mark_made_after_the_optimizer_is_built_is_refused_when_the_step_is_traced():
+    """The optimizer reads the marks at build: a later mark was silently ignored (the variable kept
+    its noise and prior), and the per-example path, which read it live, failed with "no
+    per-example gradients"."""
+    x, y = regression_data(n=32)
+    model = small_net()
+    optimizer = tfnng.optimizers.NoisyAdam(0.01, num_examples=32)
+    loss = tfnng.losses.GaussianNLL()
+    with tf.GradientTape() as tape:                 # a hand-written eager loop: every step checks
+        value = loss(y, model(x, training=True))
+    grads = tape.gradient(value, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    tfnng.mark_point_estimate(model.layers[-1].bias)
+    with pytest.raises(ValueError, match=r"sequential.*/bias was marked .* after NoisyAdam was built"):
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+                            keras.layers.LayerNormalization(), keras.layers.Dense(1)])
+    wrapped = tfnng.BayesianModel(net)
+    wrapped.compile(optimizer=tfnng.optimizers.VOGN(0.01, num_examples=32), loss=loss)
+    wrapped.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    tfnng.mark_point_estimate(net.layers[1].gamma)
+    with pytest.raises(ValueError, match="gamma was marked .* after VOGN was built"):
+        wrapped.fit(x, y, batch_size=8, epochs=1, verbose=0)        # another batch size: retraced
 
 
 def test_weight_noise_is_seeded_and_drawn_with_philox_also_under_xla():

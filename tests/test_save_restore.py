@@ -214,6 +214,17 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     with pytest.raises(ValueError, match="made trainable before saving"):
         keras.models.load_model(tmp_path / "frozen.keras")
 
+    pretrained = keras.models.clone_model(model)                # same layers, Keras Adam
+    pretrained.compile(optimizer="adam", loss="mse")
+    pretrained.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    pretrained.save_weights(tmp_path / "adam.weights.h5")     # another optimizer's state
+    fresh = build_model(make(len(x)), "gaussian_fixed", len(x))
+    with pytest.raises(ValueError, match="another optimizer's state.*skip_mismatch=True"):
+        fresh.load_weights(tmp_path / "adam.weights.h5")
+    fresh.load_weights(tmp_path / "adam.weights.h5", skip_mismatch=True)   # the advice works
+    for loaded, saved in zip(fresh.get_weights(), pretrained.get_weights()):
+        np.testing.assert_array_equal(loaded, saved)
+
     untrained = build_model(make(len(x)), "gaussian_fixed", len(x))
     untrained.save(tmp_path / "untrained.keras")
     loaded = keras.models.load_model(tmp_path / "untrained.keras")

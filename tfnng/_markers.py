@@ -36,7 +36,9 @@ def mark_point_estimate(variable):
     """Mark ``variable`` to be point-estimated (no weight noise, no prior) by tfnng optimizers.
 
     The mark is a Python attribute of the variable, not saved with the model: mark in the layer's
-    ``build`` so that a model rebuilt by ``keras.models.load_model`` has it again.
+    ``build`` so that a model rebuilt by ``keras.models.load_model`` has it again. tfnng optimizers
+    read the marks when they are built; a variable marked later is refused with an error when the
+    training step is next traced (compile the model with a new optimizer after marking).
     """
     _require_variable("mark_point_estimate", variable)
     setattr(variable, _POINT_ESTIMATE_ATTR, True)

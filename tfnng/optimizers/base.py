@@ -339,25 +339,29 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
 
     # --------------------------------------------------------------------------------- update step
     def _get_current_learning_rate(self):
-        # Schedules see completed posterior updates, not gradient evaluations. A schedule's or a
-        # callable's value is checked (a number was, in __init__): negative, it would train uphill.
+        # Schedules see completed posterior updates, not gradient evaluations. The rate is checked
+        # at every step (a number was in __init__, but `optimizer.learning_rate = ...` and Keras's
+        # LearningRateScheduler assign it later): negative, it would train uphill; NaN, it would
+        # turn every posterior mean NaN, and the updates after would be skipped as non-finite.
         if isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
             rate = self._learning_rate(self._update_count if self.built else self._iterations)
         else:
             rate = super()._get_current_learning_rate()
-            if not callable(self._learning_rate):
-                return rate
         rate = tf.convert_to_tensor(rate)
         as_float = tf.cast(rate, tf.float32)
         return checked(rate, tf.math.is_finite(as_float) & (as_float >= 0),
-                       "the `learning_rate` schedule or callable must give finite values >= 0.")
+                       "the learning rate must be finite and >= 0 (a number assigned to "
+                       "`learning_rate`, a schedule's or a callable's value).")
 
-    def _initialize_means_once(self):
-        """Copy the model's current weights into the posterior means, the first time only."""
+    def _initialize_means_once(self, latch=True):
+        """Copy the model's current weights into the posterior means until they are latched: by
+        the first update, or by ``sample_weights`` (which overwrites the weights). Posterior access
+        before (``latch=False``) sees the weights of the moment without fixing them as the start."""
         def initialize():
             for mean, variable in zip(self._means, self._trainable_variables):
                 mean.assign(variable)
-            self._means_ready.assign(1)
+            if latch:
+                self._means_ready.assign(1)
             return tf.constant(True)
 
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
@@ -384,6 +388,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         """Keras ``apply``; with ``nonfinite="raise"`` the checks come first: every state change of
         the step, Keras's ``iterations`` increment (made after the update) included, waits for them."""
+        self._refuse_marks_made_after_build()
         if self.nonfinite != "raise":
             return super().apply(grads, trainable_variables)
         if compiled_with_xla():
@@ -405,6 +410,22 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                   for i, (what, _) in enumerate(checked)]
         with tf.control_dependencies(guards):
             return super().apply(grads, trainable_variables)
+
+    def _refuse_marks_made_after_build(self):
+        """The marks are read when the optimizer is built (a point estimate has other state than
+        a posterior): a variable marked since is refused, not silently kept Bayesian. Checked
+        whenever the step is traced."""
+        if not self.built:
+            return
+        marked = [variable_path(v) for v, point in zip(self._trainable_variables, self._point)
+                  if not point and _markers.is_point_estimate(v)]
+        if marked:
+            raise ValueError(
+                f"{', '.join(marked)} {'was' if len(marked) == 1 else 'were'} marked with "
+                f"tfnng.mark_point_estimate after {type(self).__name__} was built, which reads the "
+                "marks when it is built. Mark variables before the first training step (in the "
+                "layer's `build`, so that loading the model marks them again), or compile the "
+                "model with a new optimizer after marking.")
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         # Sparse gradients (IndexedSlices, e.g. of an Embedding) are made dense: every weight has
@@ -566,7 +587,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"{type(self).__name__} has no posterior yet: train first, or call "
                              "`optimizer.build(model.trainable_variables)` (an optimizer that reads "
                              "layer curvature is built by tfnng.BayesianModel).")
-        self._initialize_means_once()
+        self._initialize_means_once(latch=False)
 
     def _require_posterior_of(self, model):
         """:meth:`_require_built`, and a posterior over some of ``model``'s variables (a model
@@ -632,6 +653,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         """Write a fresh posterior sample into the model's variables. Those of layers frozen since
         training (``trainable = False``) keep their values, as in :func:`tfnng.predict`."""
         self._require_built()
+        self._initialize_means_once()      # the sample replaces the weights the means start from
         frozen = [(v, tf.identity(v)) for v in self._trainable_variables if not v.trainable]
         self._write_sample()
         for variable, value in frozen:
@@ -675,7 +697,10 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "(`trainable = False`) after the optimizer was built must be made trainable before "
                 "saving, and variables marked with `tfnng.mark_point_estimate` outside a layer's "
                 "`build` lose the mark on loading (mark them in `build`, as "
-                "`tfnng.layers.NoisePrecision` does).")
+                "`tfnng.layers.NoisePrecision` does). If the file holds another optimizer's state "
+                "(weights pre-trained with Keras Adam, say): the model's weights are loaded "
+                "already; `load_weights(..., skip_mismatch=True)` skips the optimizer state "
+                "quietly, or load the weights before compiling with the tfnng optimizer.")
         if saved == self._unbuilt_variable_count < len(self.variables):
             # Saved before its first step; built since (by Keras's loading, or by training): the
             # variables made by __init__ come first, the others restart from their initializers
