@@ -293,6 +293,58 @@ def test_multi_output_models_need_the_empirical_fisher_and_say_so():
     assert np.isfinite(model.fit(x, targets, batch_size=4, verbose=0).history["loss"]).all()
 
 
+def test_a_multi_output_model_weighs_each_examples_curvature_by_its_mask_and_sample_weight():
+    """Keras hands the one sample-weight array to every output, and a mask reaches every output:
+    the curvature is (1/B) sum_n w_n (B / valid) m_n g_n^2 with g_n the gradient of example n's
+    summed log-likelihoods. Structured weights used to be refused, and the masks of a structured
+    output were not seen (the kept examples entered with (B / valid)^2)."""
+    rng = np.random.default_rng(5)
+    size, classes = 6, 3
+    x = rng.normal(size=(size, 3)).astype("float32")
+    x[[1, 4]] = 0.0                                               # masked by Masking(0.0)
+    y = {"reg": rng.normal(size=(size, 1)).astype("float32"), "cls": rng.integers(0, classes, size)}
+    sample_weight = np.array([1.0, 2.0, 0.5, 0.0, 1.5, 1.0], "float32")
+    mask = np.any(x != 0, axis=1)
+    example_weights = sample_weight * mask * size / mask.sum()
+    losses = {"reg": tfnng.losses.GaussianNLL(1.0), "cls": tfnng.losses.CategoricalNLL()}
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="tanh")(keras.layers.Masking(0.0)(inputs))
+    net = keras.Model(inputs, {"reg": keras.layers.Dense(1, name="reg")(hidden),
+                               "cls": keras.layers.Dense(classes, name="cls")(hidden)})
+    squares = []
+    for n in range(size):
+        with tf.GradientTape() as tape:
+            outputs = net(x[n:n + 1])
+            nll = tf.reduce_sum(sum(losses[k].call(y[k][n:n + 1], outputs[k]) for k in losses))
+        squares.append([np.square(g.numpy()) for g in tape.gradient(nll, net.trainable_variables)])
+    model = tfnng.BayesianModel(net)
+    optimizer = tfnng.optimizers.VOGN(learning_rate=0.0, num_examples=100, beta=1.0, hess_init=0.0,
+                                      fisher="empirical")
+    model.compile(optimizer=optimizer, loss=losses)
+    model.fit(x, y, sample_weight=sample_weight, batch_size=size, epochs=1, verbose=0, shuffle=False)
+    for i in range(len(net.trainable_variables)):
+        expected = sum(w * square[i] for w, square in zip(example_weights, squares)) / size
+        np.testing.assert_allclose(optimizer._slot("hessian", i).numpy(), expected,   # beta = 1
+                                   rtol=2e-5, atol=1e-7)
+
+    def weights(sample_weight=None, outputs=None):
+        return tfnng.models._masked_example_weights(tfnng.models._example_weights(sample_weight),
+                                                    outputs)
+
+    np.testing.assert_array_equal(weights([1.0, 2.0, 0.0]), [1.0, 2.0, 0.0])   # a list of numbers
+    np.testing.assert_array_equal(weights({"a": sample_weight, "b": sample_weight}), sample_weight)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be equal"):
+        weights([sample_weight, 2 * sample_weight])
+    masked = [tf.ones((3, 1)), tf.ones((3, 2))]
+    masked[0]._keras_mask = tf.constant([True, False, True])
+    with pytest.raises(ValueError, match="some outputs of the model carry a Keras mask"):
+        weights(outputs=masked)
+    masked[1]._keras_mask = tf.constant([True, True, False])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="different Keras masks"):
+        weights(outputs=masked)
+
+
 def test_a_layer_without_fast_path_needs_a_likelihood_and_says_which_and_what_else():
     """The generic path scores each example with the likelihood, also for the empirical Fisher;
     the error used to advise fisher='empirical' to an optimizer that had it."""

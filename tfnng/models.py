@@ -62,6 +62,8 @@ Hand-written loops use the same pieces through :func:`gradients_and_curvature`::
 
 import math
 
+import numbers
+
 import keras
 import tensorflow as tf
 from keras.src.trainers import data_adapters
@@ -125,12 +127,25 @@ def _replica_seed(seed):
 
 
 def _example_weights(sample_weight):
-    """Keras's ``sample_weight`` (also ``class_weight``'s) as one weight per example, shape (B,)."""
+    """Keras's ``sample_weight`` (also ``class_weight``'s) as one weight per example, shape (B,).
+    Keras hands a multi-output model its one array once per output: weights equal for every
+    output are one weight per example; weights that differ between outputs are refused."""
     if sample_weight is None:
         return None
-    if isinstance(sample_weight, (list, tuple, dict)):
-        raise ValueError("Curvature statistics take one weight per example; got sample weights per "
-                         "output of a multi-output model.")
+    if isinstance(sample_weight, (list, tuple)) and all(
+            isinstance(w, numbers.Real) for w in sample_weight):
+        sample_weight = tf.convert_to_tensor(sample_weight)      # a list of numbers, not outputs
+    leaves = tf.nest.flatten(sample_weight)
+    if any(leaf is None for leaf in leaves):
+        raise ValueError("Curvature statistics take one weight per example; got sample weights for "
+                         "some outputs of a multi-output model only.")
+    weights = [_one_weight_per_example(leaf) for leaf in leaves]
+    return _same_for_every_output(
+        weights, "Curvature statistics take one weight per example: the sample weights of the "
+        "outputs of a multi-output model must be equal.")
+
+
+def _one_weight_per_example(sample_weight):
     weights = tf.convert_to_tensor(sample_weight)
     if weights.shape.rank is not None and any(d != 1 for d in weights.shape[1:]):
         raise ValueError("Curvature statistics take one weight per example, shape (B,) or (B, 1); "
@@ -141,19 +156,40 @@ def _example_weights(sample_weight):
     return checked(weights, weights >= 0, "sample weights must be non-negative.")
 
 
+def _same_for_every_output(values, message):
+    """``values[0]``, after checking that every one of ``values`` (one per output) equals it."""
+    first = values[0]
+    if len(values) == 1:
+        return first
+    same = [tf.reduce_all(tf.equal(first, tf.cast(other, first.dtype))) for other in values[1:]]
+    return checked(first, tf.reduce_all(tf.stack(same)), message)
+
+
 def _masked_example_weights(weights, y_pred):
     """The per-example weights the compiled loss gives the examples: ``weights`` (or 1) times the
     weight Keras gives an output mask in a mean-reduced loss (``keras.losses.loss.apply_mask``:
-    ``B / valid`` for a kept example, 0 for a masked one). None without weights and mask."""
-    mask = getattr(y_pred, "_keras_mask", None)
-    if mask is None:
+    ``B / valid`` for a kept example, 0 for a masked one). None without weights and mask. The
+    outputs of a multi-output model must carry the same mask, or none."""
+    masks = [getattr(output, "_keras_mask", None) for output in tf.nest.flatten(y_pred)]
+    present = [mask for mask in masks if mask is not None]
+    if not present:
         return weights
-    if mask.shape.rank is not None and mask.shape.rank > 1 and any(d != 1 for d in mask.shape[1:]):
-        raise ValueError("Curvature statistics take one weight per example; the model's output "
-                         f"carries a Keras mask of shape {tuple(mask.shape)} (per position). Mask "
-                         "whole examples only, or use sample weights.")
+    if len(present) < len(masks):
+        raise ValueError("Curvature statistics take one weight per example; some outputs of the "
+                         "model carry a Keras mask and others do not, so the loss weighs the "
+                         "examples differently per output.")
+    for mask in present:
+        if mask.shape.rank is not None and mask.shape.rank > 1 and any(
+                d != 1 for d in mask.shape[1:]):
+            raise ValueError(
+                "Curvature statistics take one weight per example; the model's output carries a "
+                f"Keras mask of shape {tuple(mask.shape)} (per position). Mask whole examples "
+                "only, or train the model with a diagonal optimizer (IVON, NoisyAdam), which "
+                "needs no per-example curvature and no BayesianModel.")
     dtype = tf.float32 if weights is None else weights.dtype
-    mask = tf.cast(tf.reshape(mask, [-1]), dtype)
+    mask = _same_for_every_output([tf.cast(tf.reshape(m, [-1]), dtype) for m in present],
+                                  "Curvature statistics take one weight per example: the outputs "
+                                  "of the model carry different Keras masks.")
     mask_weights = mask * tf.math.divide_no_nan(tf.cast(tf.size(mask), dtype), tf.reduce_sum(mask))
     return mask_weights if weights is None else weights * mask_weights
 
