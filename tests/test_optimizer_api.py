@@ -199,6 +199,9 @@ def test_predict_rejects_bad_arguments_and_an_untrained_posterior():
         tfnng.predict(model, x[:0], num_samples=2)
     with pytest.raises(ValueError, match="contain NaN or Inf"):          # NaN rows, silently
         tfnng.predict(model, np.where(np.eye(16, 4) > 0, np.inf, x), num_samples=2)
+    for bad in (np.nan, np.inf):     # -inf silently, or an error about `per_sample_log_probs`
+        with pytest.raises(ValueError, match="targets `y` contain NaN or Inf"):
+            tfnng.predict(model, x, num_samples=2).log_likelihood(np.where(np.eye(16, 1) > 0, bad, y))
     tfnng.predict(model, x, num_samples=2)       # after a call, the relaxed trace took any width:
     with pytest.raises(ValueError, match=r"takes inputs of shape \(None, 4\)"):   # MatMul error
         tfnng.predict(model, x[:, :3], num_samples=2)
@@ -633,6 +636,19 @@ def test_point_estimates_take_a_bias_corrected_adam_step(method, mc_samples):
         # its posterior is the point mass at its value
         assert float(optimizer.posterior_mean(offset)) == float(offset)
         assert float(optimizer.posterior_stddev(offset)) == 0.0
+
+
+def test_a_point_estimates_posterior_mean_is_the_variables_value():
+    """Keras restores weights (EarlyStopping's restore_best_weights): a point estimate is the model's
+    variable, which the optimizer's copy used to contradict."""
+    x, y = regression_data(n=32)
+    model = small_net()
+    bias = tfnng.mark_point_estimate(model.layers[-1].bias)
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(0.01, num_examples=32), loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    bias.assign([0.25])
+    np.testing.assert_array_equal(model.optimizer.posterior_mean(bias), [0.25])
+    np.testing.assert_array_equal(model.optimizer.posterior_stddev(bias), [0.0])
 
 
 def test_schedules_see_posterior_updates_not_gradient_evaluations():

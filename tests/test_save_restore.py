@@ -225,6 +225,21 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     for loaded, saved in zip(fresh.get_weights(), pretrained.get_weights()):
         np.testing.assert_array_equal(loaded, saved)
 
+    wider = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    wider.compile(optimizer=make(len(x)), loss=LOSSES["gaussian_fixed"]())
+    train(wider, x, y)
+    wider.save_weights(tmp_path / "wider.weights.h5")             # as many variables, other shapes
+    for skip_mismatch in (False, True):
+        fresh = build_model(make(len(x)), "gaussian_fixed", len(x))
+        train(fresh, x, y)
+        state = [v.numpy() for v in fresh.optimizer.variables]
+        with (pytest.warns(UserWarning, match="could not be loaded") if skip_mismatch
+              else pytest.raises(ValueError, match="could not be loaded")):
+            fresh.load_weights(tmp_path / "wider.weights.h5", skip_mismatch=skip_mismatch)
+        for variable, value in zip(fresh.optimizer.variables, state):   # nothing half-restored
+            np.testing.assert_array_equal(variable, value)
+
     untrained = build_model(make(len(x)), "gaussian_fixed", len(x))
     untrained.save(tmp_path / "untrained.keras")
     loaded = keras.models.load_model(tmp_path / "untrained.keras")

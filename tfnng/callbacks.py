@@ -28,7 +28,7 @@ from tfnng import metrics as _metrics
 from tfnng._names import unique_names
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
-from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, predict
+from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, _targets, predict
 
 _NEEDS_LABELS = ("PredictiveValidation scores accuracy and calibration, which need class ids or "
                  "one-hot labels (not soft labels)")
@@ -98,12 +98,10 @@ class PredictiveValidation(keras.callbacks.Callback):
         weights with ``training=False``; random-number states are restored)."""
         x = _inputs(self.x, self.model, caller="PredictiveValidation")
         num_inputs = x.shape[0]
-        y = np.asarray(self.y)
+        y = _targets(self.y, "PredictiveValidation")
         if y.ndim == 0 or len(y) != num_inputs:
             raise ValueError(f"PredictiveValidation: `y` has {len(y) if y.ndim else 0} targets for "
                              f"{num_inputs} inputs `x`.")
-        if y.dtype.kind == "f" and not np.isfinite(y).all():
-            raise ValueError("PredictiveValidation: the targets `y` contain NaN or Inf.")
         if likelihood.is_classification and y.ndim == 2 and y.shape[1] > 1:
             self._check_labels(y, y.shape[1])
         elif likelihood.is_classification and np.any(y != np.round(y)):

@@ -45,8 +45,18 @@ class Predictive:
 
     def log_likelihood(self, y):
         """Per-point predictive log-likelihood ``log (1/S) sum_s p(y_n | x_n, w_s)``, shape (N,)."""
+        y = _targets(y, "Predictive.log_likelihood")
         per_sample = np.stack([self.likelihood.log_prob(y, out).numpy() for out in self.outputs])
         return _metrics.log_mean_exp_log_likelihood(per_sample)
+
+
+def _targets(y, caller):
+    """``y`` as an array, refused when it holds NaN or Inf (scored as probability 0, or failing
+    inside the likelihood with a message about its internals)."""
+    y = np.asarray(y)
+    if y.dtype.kind == "f" and not np.isfinite(y).all():
+        raise ValueError(f"{caller}: the targets `y` contain NaN or Inf.")
+    return y
 
 
 def _likelihood_of(model, likelihood, caller="tfnng.predict"):

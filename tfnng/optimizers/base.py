@@ -622,8 +622,12 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "variable such as a BatchNormalization statistic, or another model's).") from None
 
     def posterior_mean(self, variable):
-        """Posterior mean mu of a model variable."""
+        """Posterior mean mu of a model variable; a point estimate's value is the variable's own
+        (what the model computes with, also after Keras restores weights, e.g. EarlyStopping's
+        ``restore_best_weights``)."""
         index = self._posterior_index(variable)       # a clear error before build
+        if self._point[index]:
+            return tf.convert_to_tensor(self._trainable_variables[index])
         return tf.convert_to_tensor(self._means[index])
 
     def posterior_stddev(self, variable):
@@ -709,6 +713,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 variable.assign(store[str(i)] if i < saved else
                                 self._initializers[id(variable)](variable.shape, variable.dtype))
             return
+        mismatched = [f"{variable.path} {tuple(variable.shape)} (saved: {tuple(store[str(i)].shape)})"
+                      for i, variable in enumerate(self.variables)
+                      if tuple(store[str(i)].shape) != tuple(variable.shape)]
+        if mismatched:
+            # Before any assignment: Keras would assign one by one up to the first mismatch.
+            raise ValueError(
+                f"{type(self).__name__}: the saved optimizer state does not fit this model's: "
+                f"{'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}. Was it saved "
+                "from a model with other layer sizes?")
         super().load_own_variables(store)
 
     def get_config(self):
