@@ -162,8 +162,25 @@ def _mixed_dtypes():
                              keras.layers.Dense(1, name="d3", dtype="float64")])
 
 
+class _TrainingOnlyHead(keras.Model):
+    """An auxiliary head called in training only (a penalty by add_loss): the inference pass that
+    finds the links does not call it, which used to raise "were not called"; it gets no links."""
+
+    def __init__(self):
+        super().__init__()
+        self.d0, self.d1, self.aux = _dense("d0", 4), _dense("d1", 1), _dense("aux", 1)
+        self.aux.build((None, 4))
+
+    def call(self, x, training=None):
+        hidden = self.d0(x)
+        if training:
+            self.add_loss(0.01 * keras.ops.mean(keras.ops.square(self.aux(hidden))))
+        return self.d1(hidden)
+
+
 @pytest.mark.parametrize("make_net, chains", [
     (PermutedStack, [["d0", "d1", "d2", "d3"]]),
+    (_TrainingOnlyHead, [["d0", "d1"]]),
     (_nested, [["d0", "d1", "d2", "d3"]]),
     (_branches, [["d4", "d3"]]),
     (_residual, [["d2", "d3"]]),

@@ -257,14 +257,16 @@ class LayerCapture:
         layer i feeds layer j when j's input depends on i's pre-activations by a path that passes
         no other supported layer (whatever the order in which the layers were created or nested;
         a skip connection around a layer feeds the layer after it too). The pass cuts each
-        supported layer's input from the gradient, so that only such paths remain."""
+        supported layer's input from the gradient, so that only such paths remain. A layer the
+        pass does not call (a head used in training only) gets no links."""
         with tf.GradientTape(persistent=True) as tape:
             with self.recording(tape, cut_inputs=True):
                 self.model(inputs, training=False)
-        records = self.captured()
+        records = self.records
         for spec in self.specs:
-            spec.inputs_from = tuple(i for i in records if i != spec.name and tape.gradient(
-                records[spec.name].inputs, records[i].zero) is not None)
+            spec.inputs_from = () if spec.name not in records else tuple(
+                i for i in records if i != spec.name and tape.gradient(
+                    records[spec.name].inputs, records[i].zero) is not None)
 
     @contextlib.contextmanager
     def recording(self, tape, cut_inputs=False):
