@@ -242,6 +242,20 @@ def test_time_distributed_and_recurrent_layers_fall_back_and_train():
         assert np.isfinite(history["loss"]).all() and optimizer.skipped_updates == 0
 
 
+def test_a_stateful_recurrent_layer_is_refused_by_the_generic_path():
+    """The generic path runs the net a second time: a stateful LSTM's state advanced twice per
+    step, silently, and its per-example gradients were taken from the advanced state."""
+    batch = 4
+    x = np.random.default_rng(7).normal(size=(batch, 3, 2)).astype("float32")
+    inputs = keras.Input(batch_shape=(batch, 3, 2))
+    lstm = keras.layers.LSTM(3, stateful=True, name="stateful_lstm")
+    model = tfnng.BayesianModel(keras.Model(inputs, keras.layers.Dense(1)(lstm(inputs))))
+    model.compile(optimizer=tfnng.optimizers.VOGN(1e-2, num_examples=16),
+                  loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match=r"Stateful layers \(stateful_lstm\) cannot take the generic"):
+        model.train_on_batch(x, x.sum(axis=(1, 2))[:, None])
+
+
 class LayerNamedLikeAWeight(keras.layers.Layer):
     """Holds a weight named "proj" and a Dense sub-layer named "proj": layer path == variable path."""
 

@@ -293,6 +293,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     check_mean_reduction(loss_fn)
     variables = list(net.trainable_variables)
     generic = _generic_variables(capture, variables) if requirements.per_example_gradients else []
+    if generic:
+        _refuse_stateful_layers(net)
     weights = _example_weights(sample_weight)
     with tf.GradientTape(persistent=True) as tape:
         with capture.recording(tape):
@@ -433,6 +435,18 @@ def _gradients_when_due(tape, target, zeros, due):
                    lambda: tape.gradient(target, zeros,
                                          unconnected_gradients=tf.UnconnectedGradients.ZERO),
                    lambda: [tf.zeros_like(z) for z in zeros])
+
+
+def _refuse_stateful_layers(net):
+    """The generic per-example path runs the net a second time, which would advance the state of a
+    stateful recurrent layer twice per step (and differentiate from the advanced state)."""
+    stateful = [layer.name for layer in _capture._leaf_layers(net) if getattr(layer, "stateful", False)]
+    if stateful:
+        raise ValueError(
+            f"Stateful layers ({', '.join(stateful)}) cannot take the generic per-example path, "
+            "which runs the net once more per step and would advance their state twice. Train "
+            "the model with a diagonal optimizer (IVON, NoisyAdam) or with K-FAC, whose other "
+            "layers take a diagonal posterior, or make the layers stateless.")
 
 
 def _generic_variables(capture, variables):
