@@ -1,6 +1,8 @@
 """NNG-BlkTri on a 3-layer toy net (float64): the optimizer's implied precision against the dense
 block-tridiagonal matrix built from its own factors, and its samples' covariance."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -248,6 +250,20 @@ def test_a_net_without_input_specs_is_chained_from_its_first_batch():
     model.fit(x, rng.normal(size=(8, 1)), batch_size=8, verbose=0)
     assert [[block.spec.layer.name for block in chain] for chain in optimizer._chains] == [
         ["d0", "d1"]]
+
+
+def test_a_functional_net_with_dict_inputs_is_chained_at_compile_without_warnings():
+    """The input specs traced at compile were a list: Keras warned that their structure does not
+    match the net's dict of inputs, and only the order of the inputs kept the links right."""
+    inputs = {"a": keras.Input((2,), name="a"), "b": keras.Input((1,), name="b")}
+    hidden = keras.layers.Concatenate()([_dense("d0", 3)(inputs["a"]), inputs["b"]])
+    net = keras.Model(inputs, _dense("d2", 1)(_dense("d1", 4)(hidden)))
+    optimizer = tfnng.optimizers.KFAC(learning_rate=0.1, damping=1e-2, block_tridiagonal=True)
+    model = tfnng.BayesianModel(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.1))
+    assert [spec.inputs_from for spec in model._layer_capture.specs] == [(), ("d0",), ("d1",)]
 
 
 def test_a_loaded_functional_model_gets_its_chains_back(tmp_path):

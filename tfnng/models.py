@@ -484,21 +484,23 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_
 
 
 def _input_specs(net):
-    """``tf.TensorSpec`` (or a list of them) of the net's inputs, unknown dimensions left unknown (a
-    functional model's input tensors, else the shape a subclassed model was built with), for
+    """``tf.TensorSpec`` (or a structure of them) of the net's inputs, unknown dimensions left unknown
+    (a functional model's input tensors, else the shape a subclassed model was built with), for
     tracing :meth:`tfnng.curvature.capture.LayerCapture.find_links`; None if unknown."""
     if not net.built:
         return None
     tensors = getattr(net, "inputs", None)
     if tensors:
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
-    else:
-        shape = (net.get_build_config() or {}).get("input_shape")
-        if not isinstance(shape, (tuple, list)) or not all(
-                d is None or isinstance(d, int) for d in shape):
-            return None                                 # not built from one input shape
-        specs = [tf.TensorSpec([None] + list(shape[1:]), keras.backend.floatx())]
-    return specs[0] if len(specs) == 1 else specs
+        try:
+            structure = net.input     # a functional model's inputs as it takes them (a dict stays one)
+        except AttributeError:        # a Sequential never called
+            structure = tensors if len(tensors) > 1 else tensors[0]
+        return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), structure)
+    shape = (net.get_build_config() or {}).get("input_shape")
+    if not isinstance(shape, (tuple, list)) or not all(
+            d is None or isinstance(d, int) for d in shape):
+        return None                                 # not built from one input shape
+    return tf.TensorSpec([None] + list(shape[1:]), keras.backend.floatx())
 
 
 @keras.saving.register_keras_serializable(package="tfnng")
