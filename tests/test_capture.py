@@ -72,6 +72,32 @@ def test_recording_restores_layers_after_an_error_and_rejects_shared_layers():
     np.testing.assert_allclose(net(tf.ones((1, 2))).shape, (1, 2))
 
 
+class IteratedDense(keras.Model):
+    """A Dense layer applied in a symbolic loop: its tensors live in the loop's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = keras.layers.Dense(2, activation="tanh")
+
+    def call(self, x):
+        return keras.ops.fori_loop(0, 3, lambda i, h: self.step(h), x)
+
+
+def test_a_layer_in_a_symbolic_loop_is_refused_by_name():
+    """It failed with TensorFlow's "out of scope" error about a while-loop placeholder."""
+    net = IteratedDense()
+    net(tf.ones((1, 2)))
+    capture = cap.LayerCapture(net)
+
+    @tf.function
+    def record(x):
+        with tf.GradientTape() as tape, capture.recording(tape):
+            return net(x)
+
+    with pytest.raises(ValueError, match="'.*dense.*' is called inside a symbolic loop"):
+        record(tf.ones((1, 2)))
+
+
 def test_find_links_names_the_layers_each_layer_reads_directly():
     """inputs_from: the supported layers whose output reaches a layer's input without passing
     another supported layer: through activations and merges, including a skip connection."""

@@ -211,6 +211,14 @@ class _LayerHook:
                 f"Layer {name!r} was called more than once in one forward pass; the curvature "
                 "capture of Dense/Conv2D layers (K-FAC factors, per-example gradients) does not "
                 "support shared layers.")
+        graph = type(tf.compat.v1.get_default_graph()).__name__
+        if graph in ("WhileBodyFuncGraph", "WhileCondFuncGraph", "CondBranchFuncGraph"):
+            # Its tensors would live in the loop's or branch's graph, out of the step's reach.
+            raise ValueError(
+                f"Layer {name!r} is called inside a symbolic loop or conditional (keras.ops."
+                "fori_loop, while_loop, scan, cond); the curvature capture of Dense/Conv2D layers "
+                "(K-FAC factors, per-example gradients) does not support it. Use a diagonal-family "
+                "optimizer for such models.")
         self.thread.pending, self.thread.zero = tape, None
         try:
             outputs = self.call(tf.stop_gradient(inputs) if cut_inputs else inputs, *args, **kwargs)
