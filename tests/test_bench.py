@@ -290,6 +290,21 @@ def test_an_unwritable_out_stops_before_any_training(tmp_path):
             main(argv)
 
 
+def test_kfac_digits_refuses_what_would_fail_after_training(tmp_path, monkeypatch):
+    """A figure suffix matplotlib cannot save, a --png that is the --out, and a test fraction that
+    leaves fewer than one image per class on a side of the split ended in tracebacks (the first two
+    after training, and without the JSON record)."""
+    monkeypatch.setattr(kfac_digits, "run_method", lambda *a, **k: pytest.fail("trained first"))
+    out = str(tmp_path / "r.json")
+    with pytest.raises(SystemExit, match=r"--png .*\.txt: matplotlib saves figures as .*\.png"):
+        main(["kfac_digits", "--out", out, "--png", str(tmp_path / "r.txt")])
+    with pytest.raises(SystemExit, match="--png and --out name the same file"):
+        main(["kfac_digits", "--out", out, "--png", out])
+    for fraction, side in (("0.001", "2 of the 1797 images for testing"), ("0.999", "1 for training")):
+        with pytest.raises(SystemExit, match=f"--test-fraction {fraction}: .*{side}.*one per class"):
+            main(["kfac_digits", "--out", out, "--test-fraction", fraction])
+
+
 def test_out_paths_are_opened_before_any_work(tmp_path):
     """os.access says yes to root for read-only places (/proc), and long names used to raise a bare
     OSError: the check opens the file, and removes it again if it was new."""

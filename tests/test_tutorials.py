@@ -62,6 +62,13 @@ def test_classification_tutorial_refuses_a_bad_kl_weight_before_loading(kl_weigh
     assert stop.value.code == 2 and "--kl-weight must be a positive number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tutorial", ["regression_uncertainty", "classification_calibration"])
+def test_tutorials_refuse_a_figure_suffix_matplotlib_cannot_save_before_training(tutorial, tmp_path):
+    """It failed with matplotlib's "Format 'txt' is not supported" after training."""
+    with pytest.raises(SystemExit, match=r"--out .*\.txt: matplotlib saves figures as"):
+        _load(tutorial).main(["--smoke", "--out", str(tmp_path / "figure.txt")])
+
+
 @pytest.mark.parametrize("epochs", ["0", "-1"])      # -1 used to repeat the data forever
 def test_demo_refuses_a_non_positive_epoch_count(epochs, capsys):
     from tfnng import demo

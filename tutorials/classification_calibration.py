@@ -27,7 +27,7 @@ import keras
 import numpy as np
 
 import tfnng
-from tfnng.bench import kfac_digits
+from tfnng.bench import _results, kfac_digits
 
 PRIOR_VARIANCE = 1.0
 
@@ -82,6 +82,7 @@ def main(argv=None):
         parser.error("--epochs must be at least 1")
     if not (math.isfinite(args.kl_weight) and args.kl_weight > 0):
         parser.error("--kl-weight must be a positive number")
+    _results.check_figure_path(args.out, "--out")         # before training, not after
     epochs = 1 if args.smoke else args.epochs
     num_samples = 5 if args.smoke else 50
 

@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfnng  # noqa: E402
+from tfnng.bench import _results  # noqa: E402
 
 
 def make_data(n=1000, seed=0):
@@ -83,6 +84,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="a few epochs only")
     args = parser.parse_args(argv)
     x, y = make_data()
+    _results.check_figure_path(args.out, "--out")         # before training, not after
     model = train(x, y, epochs=3 if args.smoke else 100)
     grid = np.linspace(-6, 6, 241)[:, None].astype("float32")
     prediction = tfnng.predict(model, grid, num_samples=20 if args.smoke else 200)

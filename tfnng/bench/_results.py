@@ -85,6 +85,18 @@ def check_writable(path, option):
         os.remove(path)
 
 
+def check_figure_path(path, option):
+    """:func:`check_writable`, and a suffix matplotlib can save a figure as (it tells the format):
+    a figure that cannot be saved failed after the whole run."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in formats:
+        raise SystemExit(f"{option} {path}: matplotlib saves figures as "
+                         f"{', '.join('.' + f for f in sorted(formats))}; give one of these suffixes.")
+    check_writable(path, option)
+
+
 def format_table(headers, rows):
     """Return ``rows`` (sequences of already formatted cells) as a fixed-width text table."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

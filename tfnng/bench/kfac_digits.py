@@ -44,6 +44,11 @@ def load(test_fraction=0.3, seed=0):
 
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
+    test_size = math.ceil(test_fraction * len(x))           # scikit-learn's rounding
+    if min(test_size, len(x) - test_size) < NUM_CLASSES:
+        raise ValueError(f"a test fraction of {test_fraction} leaves {test_size} of the {len(x)} "
+                         f"images for testing, {len(x) - test_size} for training: the stratified "
+                         f"split needs at least {NUM_CLASSES} (one per class) on each side.")
     return train_test_split(x, digits.target.astype("int32"), test_size=test_fraction,
                             stratify=digits.target, random_state=seed)
 
@@ -171,9 +176,14 @@ def run(args):
     methods = _results.parse_names(args.methods, METHODS, "method(s)")
     if args.png is None:
         args.png = str(Path(args.out).with_name(Path(args.out).stem + "_reliability.png"))
-    for option, path in (("--out", args.out), ("--png", args.png)):
-        _results.check_writable(path, option)
-    data = load(args.test_fraction, args.seed)
+    if Path(args.png).resolve() == Path(args.out).resolve():
+        raise SystemExit(f"--png and --out name the same file, {args.out}.")
+    _results.check_writable(args.out, "--out")
+    _results.check_figure_path(args.png, "--png")
+    try:
+        data = load(args.test_fraction, args.seed)
+    except ValueError as error:
+        raise SystemExit(f"--test-fraction {args.test_fraction}: {error}") from None
     rows = [run_method(m, data, args.epochs, args.batch_size, args.num_samples, args.seed)
             for m in methods]
     _results.print_table(
@@ -182,12 +192,12 @@ def run(args):
           f"{r['train_seconds']:.1f}"] for r in rows],
         title=f"\nsklearn digits, CNN, {args.epochs} epochs, batch {args.batch_size}, "
               f"{args.num_samples} predictive samples")
-    plot_reliability(rows, args.png)
     settings = {key: getattr(args, key) for key in ("methods", "epochs", "batch_size", "num_samples",
                                                     "test_fraction", "seed", "png")}
     settings["methods"] = methods
     settings["learning_rates"] = DEFAULT_LEARNING_RATES
     _results.write_json(args.out, "kfac_digits", args.command, settings,
                         {"rows": rows})
+    plot_reliability(rows, args.png)
     return rows
 
