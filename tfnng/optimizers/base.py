@@ -220,9 +220,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         for unsupported in ("weight_decay", "use_ema", "gradient_accumulation_steps"):
             if kwargs.get(unsupported):
                 raise ValueError(
-                    f"`{unsupported}` is not supported by {type(self).__name__}: the prior plays "
-                    "the role of weight decay, the posterior mean is the weight average, and "
-                    "`mc_samples` accumulates gradients.")
+                    f"`{unsupported}` is not supported by {type(self).__name__}: the prior (for "
+                    "KFAC, its `l2`) plays the role of weight decay, the posterior mean is the "
+                    "weight average, and `mc_samples` accumulates gradients.")
             kwargs.pop(unsupported, None)
         for clip in ("clipnorm", "clipvalue", "global_clipnorm"):   # Keras drops values <= 0
             if kwargs.get(clip) is not None:
