@@ -401,6 +401,8 @@ def test_ivon_aliases_map_onto_the_common_vocabulary():
     ({"num_examples": 10, "clipnorm": -1.0}, "clipnorm"),      # Keras drops these silently
     ({"num_examples": 10, "clipvalue": 0.0}, "clipvalue"),
     ({"num_examples": 10, "global_clipnorm": float("nan")}, "global_clipnorm"),
+    ({"num_examples": 10, "loss_scale_factor": 0.0}, "loss_scale_factor"),   # every step skipped
+    ({"num_examples": 10, "loss_scale_factor": float("inf")}, "loss_scale_factor"),
     # float() would take these as 1.0, 0.5, 1.0 and 1.0
     ({"num_examples": 10, "kl_weight": True}, "kl_weight"),
     ({"num_examples": 10, "prior_variance": "0.5"}, "prior_variance"),

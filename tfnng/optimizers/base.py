@@ -224,9 +224,10 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                     "KFAC, its `l2`) plays the role of weight decay, the posterior mean is the "
                     "weight average, and `mc_samples` accumulates gradients.")
             kwargs.pop(unsupported, None)
-        for clip in ("clipnorm", "clipvalue", "global_clipnorm"):   # Keras drops values <= 0
-            if kwargs.get(clip) is not None:
-                kwargs[clip] = _positive(clip, kwargs[clip])
+        # Keras drops clipping values <= 0; a loss scale of 0 or Inf makes every step skipped.
+        for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = _positive(name, kwargs[name])
         if isinstance(learning_rate, numbers.Real):      # schedules and callables are Keras's
             learning_rate = _non_negative("learning_rate", learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
