@@ -514,6 +514,27 @@ def test_nets_built_by_their_first_batch_get_every_layer_captured(make_net, tmp_
                                       optimizer.posterior_mean(variable))
 
 
+def test_variables_created_by_the_first_forward_pass_get_a_clear_error_whose_advice_works():
+    """A Keras layer as a Dense activation creates its variable when the Dense first runs, after a
+    curvature optimizer was built: Keras's "Unknown variable" error advised a new optimizer."""
+    x, y = classification_data(n=16)
+
+    def fit_prelu_net(call_first):
+        net = keras.Sequential([keras.Input((6,)),
+                                keras.layers.Dense(4, activation=keras.layers.PReLU()),
+                                keras.layers.Dense(2)])
+        if call_first:
+            net(x[:1])
+        return fit(net, tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=len(x)), x, y,
+                   epochs=1)
+
+    with pytest.raises(ValueError, match=r"VOGN was built .* without .*p_re_lu.*/alpha: created by "
+                                         r"the net's first forward pass"):
+        fit_prelu_net(call_first=False)
+    model, history = fit_prelu_net(call_first=True)
+    assert len(model.optimizer._trainable_variables) == 5 and np.isfinite(history["loss"]).all()
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda n: tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=n, seed=0),
     lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n, seed=0)])

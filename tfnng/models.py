@@ -437,6 +437,20 @@ def _gradients_when_due(tape, target, zeros, due):
                    lambda: [tf.zeros_like(z) for z in zeros])
 
 
+def _require_known_variables(optimizer, variables):
+    """A clear error for trainable variables the optimizer was not built for (Keras's own says
+    "Unknown variable" and advises a new optimizer instance, which does not help here: a curvature
+    optimizer is built before the step's forward pass)."""
+    known = {id(v) for v in optimizer._trainable_variables}
+    unknown = [v.path for v in variables if id(v) not in known]
+    if unknown:
+        raise ValueError(
+            f"{type(optimizer).__name__} was built for the net's variables before this step, "
+            f"without {', '.join(unknown)}: created by the net's first forward pass (a Keras layer "
+            "used as an activation, say; call the net on a batch, `net(x[:1])`, before compiling), "
+            "or made trainable after the optimizer was built (compile with a new optimizer).")
+
+
 def _refuse_stateful_layers(net):
     """The generic per-example path runs the net a second time, which would advance the state of a
     stateful recurrent layer twice per step (and differentiate from the advanced state)."""
@@ -693,6 +707,7 @@ class BayesianModel(keras.Model):
                 compute_likelihood_loss=(compute_likelihood_loss if self._compile_loss is not None
                                          else None))
             variables = self.net.trainable_variables
+            _require_known_variables(unwrap_optimizer(optimizer), variables)
             unwrap_optimizer(optimizer).receive_curvature(captured)
             optimizer.apply_gradients(zip(grads, variables))
         self._record(x, nll, self._kl_term(nll.dtype))
