@@ -445,6 +445,13 @@ def test_method_specific_hyper_parameters_are_validated(make, match):
         make()
 
 
+def test_checked_keras_arguments_keep_the_optimizers_name():
+    """The loop checking Keras's arguments once reused the variable holding the `name` argument."""
+    for kwargs in ({}, {"clipnorm": 1.0, "loss_scale_factor": 2.0}):
+        assert tfnng.optimizers.NoisyAdam(num_examples=3, **kwargs).name == "noisy_adam"
+        assert tfnng.optimizers.IVON(num_examples=3, name="mine", **kwargs).name == "mine"
+
+
 def test_weight_constraints_are_refused_at_build():
     """A constraint would project the sample, never the posterior (its mean and draws)."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(

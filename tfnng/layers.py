@@ -96,9 +96,9 @@ class NoisePrecision(keras.layers.Layer):
     alpha = 10 instead of the optimum 233.5 in 200 epochs of Boston housing. Keras optimizers see the
     ordinary gradient in log space. The defaults ``initial_shape=6, initial_rate=2`` start q at
     E[tau] = 3 (noise standard deviation about 0.58 for standardised targets), somewhat more
-    confident than the prior mean E[tau] = 1 so that early fits are not drowned in noise. Standardise the
-    targets: residuals far above the noise scale (unnormalised targets) make float32 gradients
-    cancel badly in the alpha step (docs/math.md, "Standardise the targets").
+    confident than the prior mean E[tau] = 1 so that early fits are not drowned in noise.
+    Standardise the targets: residuals far above the noise scale (unnormalised targets) make
+    float32 gradients cancel badly in the alpha step (docs/math.md, "Standardise the targets").
 
     Args:
         num_examples: training-set size N (positive int).

@@ -61,7 +61,6 @@ Hand-written loops use the same pieces through :func:`gradients_and_curvature`::
 """
 
 import math
-
 import numbers
 
 import keras

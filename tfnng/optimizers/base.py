@@ -225,9 +225,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                     "weight average, and `mc_samples` accumulates gradients.")
             kwargs.pop(unsupported, None)
         # Keras drops clipping values <= 0; a loss scale of 0 or Inf makes every step skipped.
-        for name in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = _positive(name, kwargs[name])
+        for argument in ("clipnorm", "clipvalue", "global_clipnorm", "loss_scale_factor"):
+            if kwargs.get(argument) is not None:
+                kwargs[argument] = _positive(argument, kwargs[argument])
         if isinstance(learning_rate, numbers.Real):      # schedules and callables are Keras's
             learning_rate = _non_negative("learning_rate", learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
