@@ -164,7 +164,7 @@ def _mixed_dtypes():
                              keras.layers.Dense(1, name="d3", dtype="float64")])
 
 
-class _TrainingOnlyHead(keras.Model):
+class TrainingOnlyHead(keras.Model):
     """An auxiliary head called in training only (a penalty by add_loss): the inference pass that
     finds the links does not call it, which used to raise "were not called"; it gets no links."""
 
@@ -182,7 +182,7 @@ class _TrainingOnlyHead(keras.Model):
 
 @pytest.mark.parametrize("make_net, chains", [
     (PermutedStack, [["d0", "d1", "d2", "d3"]]),
-    (_TrainingOnlyHead, [["d0", "d1"]]),
+    (TrainingOnlyHead, [["d0", "d1"]]),
     (_nested, [["d0", "d1", "d2", "d3"]]),
     (_branches, [["d4", "d3"]]),
     (_residual, [["d2", "d3"]]),
