@@ -199,22 +199,25 @@ def _predictive():
     return dict(x_test=x[64:], y_test=y[64:], model=_classifier(x[:64], 3))
 
 
+def _noisy_adam_regressor(x, y=None):
+    """A 13-feature regression net compiled with NoisyAdam and GaussianNLL, trained for one epoch
+    on ``(x, y)`` when ``y`` is given (else only built and compiled)."""
+    model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=1e-2, num_examples=len(x)),
+                  loss=tfnng.losses.GaussianNLL(0.5))
+    if y is not None:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    return model
+
+
 def _saving():
     # Regression with 13 features: ``model`` trained for one epoch; ``fresh``, the same model
     # built and compiled the same way; ``path``, a tf.train.Checkpoint of ``model``.
     x, y = _regression(64, 13)
-
-    def build():
-        model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=1e-2, num_examples=len(x)),
-                      loss=tfnng.losses.GaussianNLL(0.5))
-        return model
-
-    model = build()
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model = _noisy_adam_regressor(x, y)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save("checkpoint/model")
-    return dict(x=x, y=y, model=model, fresh=build(), path=path)
+    return dict(x=x, y=y, model=model, fresh=_noisy_adam_regressor(x), path=path)
 
 
 def _serving():
@@ -231,13 +234,8 @@ def _serving():
 def _which_optimizer():
     # Regression with 13 features: ``model`` trained for one epoch with NoisyAdam, and its ``loss``.
     x, y = _regression(64, 13)
-    loss = tfnng.losses.GaussianNLL(0.5)
-    model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(1)])
-    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=1e-2, num_examples=len(x)),
-                  loss=loss)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    return dict(x=x, y=y, model=model, loss=loss)
+    model = _noisy_adam_regressor(x, y)
+    return dict(x=x, y=y, model=model, loss=model.loss)
 
 
 # page -> (prelude, epochs cap)
