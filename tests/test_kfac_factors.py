@@ -387,6 +387,48 @@ def test_a_layer_without_the_batch_on_its_first_axis_is_refused(fisher, static_b
             traced(tf.constant(x), tf.constant(y))
 
 
+class QueriesTable(keras.Model):
+    """A Dense applied to a learned table of 8 query vectors (no batch axis), mixed with the batch."""
+
+    def __init__(self):
+        super().__init__(name="queries")
+        self.table = self.add_weight(shape=(8, 5), initializer="random_normal", name="table")
+        self.keys = keras.layers.Dense(3, name="keys")
+        self.queries = keras.layers.Dense(3, name="table_queries")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        scores = keras.ops.matmul(self.keys(x), keras.ops.transpose(self.queries(self.table)))
+        return self.head(scores)
+
+
+def test_a_layer_on_a_table_with_as_many_rows_as_the_batch_is_refused():
+    """A Dense on an 8-row table passed the row-count check with batches of 8: K-FAC and VOGN took
+    the table's rows for the examples (and the true Fisher crashed with a TypeError). Traced with an
+    unknown batch size, its input's row count is known: refused when the model is compiled, and in
+    a hand-written step traced with an unknown batch size."""
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    y = np.zeros((16, 1), "float32")
+    for make in [lambda: tfnng.optimizers.KFAC(learning_rate=1e-2, fisher="empirical"),
+                 lambda: tfnng.optimizers.VOGN(learning_rate=1e-2, num_examples=16)]:
+        net = QueriesTable()
+        net(x[:1])
+        model = tfnng.BayesianModel(net)
+        with pytest.raises(ValueError, match="table_queries.*8 rows whatever the batch size"):
+            model.compile(optimizer=make(), loss=tfnng.losses.GaussianNLL())
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+    capture = cap.LayerCapture(net)
+
+    @tf.function(input_signature=[tf.TensorSpec((None, 5)), tf.TensorSpec((None, 1))])
+    def statistics(x, y):
+        return tfnng.models.gradients_and_curvature(
+            net, capture, _Fisher("empirical"), tfnng.losses.GaussianNLL(), x, y)[0]
+
+    with pytest.raises(ValueError, match="8 rows whatever the batch size"):
+        statistics(x[:8], y[:8])
+
+
 @pytest.mark.parametrize("case", ["dense", "dense_sequence", "dense_no_bias"]
                          + [f"conv{i}" for i in range(len(CONV_CASES))])
 @pytest.mark.parametrize("values", ["random", "ones"])

@@ -342,7 +342,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
             fisher_ll = tf.reduce_sum(log_probs) * tf.cast(example_scale, log_probs.dtype)
     records = capture.captured() if capture.specs else {}
-    _check_batch_axes(records, tf.nest.flatten(y_pred)[0].shape[0], batch_size)
+    _check_batch_axes(records, tf.nest.flatten(x)[0].shape[0], batch_size)
     zeros = [r.zero for r in records.values()]
     if likelihood_loss is not None and zeros:
         # A penalty that reaches a pre-activation (activity regulariser, add_loss on activations)
@@ -408,23 +408,31 @@ def _power_of_two_near(scale):
     return tf.cast(tf.pow(tf.constant(2.0, tf.float64), exponent), scale.dtype)
 
 
-def _check_batch_axes(records, static_batch, batch_size):
+def _check_batch_axes(records, static_batch, batch_size=None):
     """Stop unless every captured layer's input has the batch on its first axis (``batch_size``
-    rows; ``static_batch`` when known at tracing): a layer applied to a reshape that folds another
-    axis into the batch, or to a tensor without a batch axis, would mix examples in the curvature
-    statistics."""
+    rows, checked at run time unless None; ``static_batch``, the input's, when known at tracing): a
+    layer applied to a reshape that folds another axis into the batch, or to a tensor without a
+    batch axis, would mix examples in the curvature statistics. Traced with an unknown batch size,
+    an input with a known number of rows has no batch axis (a learned table), whatever the batch
+    size it runs with."""
     for name, record in records.items():
-        message = (f"Layer {name!r}: the curvature statistics (K-FAC factors, per-example "
-                   "gradients) need the batch on the first axis of each Dense/Conv2D input, and "
-                   "this layer's input has another number of rows than the model's output. Keep "
-                   "the batch axis first (Dense takes (batch, ..., features) inputs; do not fold "
-                   "other axes into the batch), or use an optimizer that needs no curvature capture.")
+        def message(problem):
+            return (f"Layer {name!r}: the curvature statistics (K-FAC factors, per-example "
+                    "gradients) need the batch on the first axis of each Dense/Conv2D input, and "
+                    f"this layer's input has {problem}. Keep the batch axis first (Dense takes "
+                    "(batch, ..., features) inputs; do not fold other axes into the batch), or use "
+                    "an optimizer that needs no curvature capture.")
         rows = record.zero.shape[0]
         if rows is not None and static_batch is not None:
             if rows != static_batch:
-                raise ValueError(f"{message} (Rows: {rows}, batch: {static_batch}.)")
-        else:
-            tf.debugging.assert_equal(tf.shape(record.zero)[0], batch_size, message=message)
+                raise ValueError(message("another number of rows than the model's input")
+                                 + f" (Rows: {rows}, batch: {static_batch}.)")
+        elif rows is not None:
+            raise ValueError(message(f"{rows} rows whatever the batch size: it has no batch axis "
+                                     "(a learned table, a constant)"))
+        elif batch_size is not None:
+            tf.debugging.assert_equal(tf.shape(record.zero)[0], batch_size,
+                                      message=message("another number of rows than the model's"))
 
 
 def _gradients_when_due(tape, target, zeros, due):
@@ -629,13 +637,26 @@ class BayesianModel(keras.Model):
         if requirements is None or self._layer_capture is not None:
             return
         capture = _capture.LayerCapture(self.net)
-        specs = _input_specs(self.net) if requirements.layer_links else None
-        if specs is not None:
-            # Traced, not run: no example data needed, unknown image sizes stay unknown.
+        specs = _input_specs(self.net)
+        if specs is not None and capture.specs:
+            # One forward pass, traced, not run: no example data needed, unknown image and batch
+            # sizes stay unknown, so that a layer input without a batch axis shows (the steps may
+            # be traced with a batch size that equals its number of rows).
+            recorded = {}
+
+            def survey(inputs):
+                if requirements.layer_links:
+                    capture.find_links(inputs)
+                else:
+                    with tf.GradientTape() as tape, capture.recording(tape):
+                        self.net(inputs, training=False)
+                recorded.update(capture.records)
+
             try:
-                tf.function(capture.find_links).get_concrete_function(specs)
+                tf.function(survey).get_concrete_function(specs)
             except (ValueError, TypeError, tf.errors.OpError):
                 pass        # the net cannot be traced from its input specs: the first batch decides
+            _check_batch_axes(recorded, tf.nest.flatten(specs)[0].shape[0])
         if requirements.kronecker or requirements.per_example_gradients:
             # The optimizer logs the layers that fall back to a diagonal posterior when it builds.
             unwrap_optimizer(self.optimizer).prepare_curvature(capture.specs)
