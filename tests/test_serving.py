@@ -434,6 +434,27 @@ def test_a_point_estimate_is_served_at_its_current_value(tmp_path):
                                rtol=1e-5)
 
 
+def test_an_output_in_a_one_entry_dict_is_served(tmp_path):
+    """A functional model whose one output is named in a dict (export said "needs a model with one
+    output tensor"); its served moments are those of the same model with a bare output."""
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype("float32")
+    served = []
+    for named in (False, True):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(1, name="out")(inputs)
+        model = keras.Model(inputs, {"out": outputs} if named else outputs)
+        model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=10),
+                      loss=tfnng.losses.GaussianNLL(0.1))
+        model.optimizer.build(model.trainable_variables)
+        path = tmp_path / f"named_{named}"
+        serving.export(model, path, num_samples=NUM_SAMPLES, outputs=("mean", "variance"))
+        served.append(tf.saved_model.load(str(path)).signatures["seeded"](
+            inputs=tf.constant(x), seed=tf.constant(SEED_A, tf.int64)))
+    for name in ("mean", "variance"):
+        np.testing.assert_array_equal(served[0][name].numpy(), served[1][name].numpy())
+
+
 def _trained_bayesian_model(optimizer):
     """A 3-4-4-1 tanh net in a BayesianModel, trained two epochs with ``optimizer``."""
     keras.utils.set_random_seed(3)

@@ -28,7 +28,8 @@ from tfnng import metrics as _metrics
 from tfnng._names import unique_names
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
-from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, _targets, predict
+from tfnng.predict import (_inputs, _likelihood_of, _one_output, _seed_generator_states, _targets,
+                           predict)
 
 _NEEDS_LABELS = ("PredictiveValidation scores accuracy and calibration, which need class ids or "
                  "one-hot labels (not soft labels)")
@@ -109,7 +110,7 @@ class PredictiveValidation(keras.callbacks.Callback):
         if self.model.built:
             try:
                 with self._random_states_kept():        # an MC dropout layer draws even here
-                    output = self.model(x[:1], training=False)
+                    output = _one_output(self.model(x[:1], training=False), "PredictiveValidation")
                     likelihood.log_prob(y[:1], output)
             except (ValueError, TypeError, tf.errors.OpError) as error:
                 raise ValueError("PredictiveValidation: the model and its likelihood cannot score "

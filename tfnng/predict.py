@@ -67,6 +67,9 @@ def _likelihood_of(model, likelihood, caller="tfnng.predict"):
                 f"{caller} scores one output with one likelihood; the model is compiled with "
                 f"{len(likelihood)} losses, one per output. Draw weight samples with "
                 "`model.optimizer.sample_weights()` and call the model at each.")
+    if isinstance(likelihood, type):
+        raise TypeError(f"{caller} needs a likelihood instance, e.g. `{likelihood.__name__}()`; got "
+                        f"the class {likelihood.__name__}.")
     if not all(hasattr(likelihood, attr) for attr in ("log_prob", "is_classification")):
         raise ValueError(
             f"{caller} needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
@@ -123,7 +126,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
                 for variable, value in frozen:
                     variable.assign(value)
             outputs.append(np.concatenate([
-                _one_output(forward(x[start:start + batch_size]))
+                forward(x[start:start + batch_size]).numpy()
                 for start in range(0, x.shape[0], batch_size)]))
     finally:
         for variable, value in zip(variables, saved):
@@ -163,7 +166,7 @@ def _traced(cache, owner, call, **options):
 
 def _traced_forward(model):
     """The model's inference-mode forward pass, traced once per input signature."""
-    return _traced(_FORWARD_PASSES, model, lambda net, xb: net(xb, training=False),
+    return _traced(_FORWARD_PASSES, model, lambda net, xb: _one_output(net(xb, training=False)),
                    reduce_retracing=True)
 
 
@@ -205,14 +208,16 @@ def _inputs(x, model, caller="tfnng.predict"):
     return x
 
 
-def _one_output(output):
-    """The model's output as an array (a clear error for a model with several outputs)."""
-    if not tf.is_tensor(output):
+def _one_output(output, caller="tfnng.predict"):
+    """The model's one output tensor, also when it comes in a one-entry dict or list (a clear
+    error for a model with several outputs)."""
+    leaves = tf.nest.flatten(output)
+    if len(leaves) != 1:
         raise ValueError(
-            "tfnng.predict needs a model with one output tensor (the likelihood's parameters), got "
-            f"{type(output).__name__}. For several outputs, draw weight samples with "
-            "`model.optimizer.sample_weights()` and call the model at each.")
-    return output.numpy()
+            f"{caller} needs a model with one output tensor (the likelihood's parameters), got "
+            f"{len(leaves)} in a {type(output).__name__}. For several outputs, draw weight samples "
+            "with `model.optimizer.sample_weights()` and call the model at each.")
+    return leaves[0]
 
 
 def _per_weight_sample(fn, outputs):

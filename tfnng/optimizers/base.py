@@ -665,9 +665,12 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             variable.assign(value)
 
     def _write_sample(self):
-        """Write a posterior sample into every variable the optimizer trains."""
-        for i in self._bayesian_indices():
-            self._trainable_variables[i].assign(self._draw(i))
+        """Write a posterior sample into every variable the optimizer trains. The means are read as
+        they are: before the first update, callers copy the weights into them once (each draw
+        would otherwise start from the previous sample, a random walk)."""
+        for i, point in enumerate(self._point):
+            if not point:
+                self._trainable_variables[i].assign(self._draw(i))
 
     @contextlib.contextmanager
     def use_mean(self):
