@@ -187,14 +187,18 @@ def test_dataset_names_and_aliases():
     assert set(uci.NNG_TABLE_1) == set(uci.MC_DROPOUT) == set(uci.DATASETS)
 
 
-def test_default_uci_out_names_the_splits_and_epochs(tmp_path, monkeypatch):
+def test_default_uci_out_names_the_splits_epochs_and_data_folder(tmp_path, monkeypatch):
     """Two runs over different splits used to write the same default file, the second over the
-    first."""
+    first; so did a run on another folder's copy of a data set (docs/benchmarks.md's naval_turbine,
+    another target) and the standard run."""
     def stop(path, option):
         raise SystemExit(f"would write {path}")
     monkeypatch.setattr(_results, "check_writable", stop)
-    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "ivon"]
-    with pytest.raises(SystemExit, match=r"results/uci_yacht_ivon_from0_e200\.json"):
+    with pytest.raises(SystemExit, match=r"would write results/uci_naval_turbine_yacht_ivon_from0_e"):
+        main(["uci", "--data-dir", str(tmp_path / "naval_turbine"), "--dataset", "yacht",
+              "--method", "ivon"])
+    argv = ["uci", "--data-dir", str(tmp_path / "uci"), "--dataset", "yacht", "--method", "ivon"]
+    with pytest.raises(SystemExit, match=r"would write results/uci_yacht_ivon_from0_e200\.json"):
         main(argv)
     with pytest.raises(SystemExit, match=r"results/uci_yacht_ivon_from10x10_e1000\.json"):
         main(argv + ["--first-split", "10", "--splits", "10", "--epochs", "1000"])
@@ -218,7 +222,7 @@ def test_set_changes_a_method_argument_and_is_recorded(tmp_path, monkeypatch):
     def stop(path, option):
         raise SystemExit(f"would write {path}")
     monkeypatch.setattr(_results, "check_writable", stop)
-    argv = ["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "noisy_kfac"]
+    argv = ["uci", "--data-dir", str(tmp_path / "uci"), "--dataset", "yacht", "--method", "noisy_kfac"]
     with pytest.raises(SystemExit, match=r"uci_yacht_noisy_kfac_momentum=0\.9_kl_clip=None_from0_e200"):
         main(argv + ["--set", "momentum=0.9", "--set", "kl_clip=None"])
     assert uci.parse_setting("fisher=empirical") == ("fisher", "empirical")
@@ -397,6 +401,34 @@ def test_records_count_an_untracked_module_of_the_package_as_a_change(tmp_path, 
     assert set(machine["threads"]) == {"TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"}
     if Path("/proc/cpuinfo").exists():
         assert machine["processor"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_records_name_no_commit_for_a_copy_installed_inside_another_repository(tmp_path,
+                                                                                monkeypatch):
+    """pip-installed into a project's virtualenv, git found the project's repository above
+    site-packages: the records named the project's commit as tfnng's."""
+    package = tmp_path / ".venv" / "site-packages" / "tfnng"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (tmp_path / "project.py").write_text("")
+    for args in (["init", "-q"], ["add", "project.py"],
+                 ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c"]):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    monkeypatch.setattr(tfnng, "__file__", str(package / "__init__.py"))
+    code = _results.code_version()
+    assert code["commit"] is None and code["uncommitted_changes"] is None
+
+
+def test_records_name_the_code_the_run_started_with(tmp_path, monkeypatch):
+    """The commit was read when the record was written: a commit made during a long run was
+    recorded as the code that ran."""
+    versions = iter([{"commit": "at the start"}, {"commit": "at the end"}])
+    monkeypatch.setattr(_results, "code_version", lambda: next(versions))
+    monkeypatch.setattr(uci, "run", lambda args: _results.write_json(
+        tmp_path / "r.json", "uci", args.command, {}, {}, code=args.code))
+    main(["uci", "--data-dir", str(tmp_path), "--dataset", "yacht", "--method", "ivon"])
+    assert json.loads((tmp_path / "r.json").read_text())["code"] == {"commit": "at the start"}
 
 
 def test_uci_quick_run_on_yacht(tmp_path):

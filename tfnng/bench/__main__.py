@@ -2,12 +2,14 @@
 
 Tasks are registered in ``TASKS`` (task name -> module). A task module provides ``add_arguments(parser)``
 and ``run(args)``; the first line of its docstring is the task's help text. ``args.command`` holds the
-command line, for the JSON record.
+command line and ``args.code`` the code version at the start, for the JSON record.
 """
 
 import argparse
 import importlib
 import sys
+
+from tfnng.bench import _results
 
 TASKS = {
     "uci": "tfnng.bench.uci",
@@ -36,6 +38,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command = ["python", "-m", "tfnng.bench"] + argv
+    args.code = _results.code_version()
     args.run(args)
 
 

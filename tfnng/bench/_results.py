@@ -129,7 +129,8 @@ def format_mean_se(mean, se, digits=3):
 def code_version():
     """tfnng's version and, when it runs from a git checkout, the commit and whether the code differs
     from it: a tracked file changed, or an untracked file in the package (None where git or the
-    checkout is not available)."""
+    checkout is not available, and for a copy installed inside another repository, e.g. a project's
+    virtualenv)."""
     import tfnng
 
     root = Path(tfnng.__file__).resolve().parents[1]
@@ -142,7 +143,8 @@ def code_version():
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
+    top = git("rev-parse", "--show-toplevel")
+    commit = git("rev-parse", "HEAD") if top and Path(top).resolve() == root else None
     changes = None
     if commit:
         tracked = git("status", "--porcelain", "--untracked-files=no")
@@ -197,18 +199,19 @@ def _jsonable(value):
     return value
 
 
-def write_json(path, task, command, settings, results):
+def write_json(path, task, command, settings, results, code=None):
     """Write a benchmark record to ``path`` (parent folders are created) and return the record.
 
     The record holds the task name, the ``command`` line (list of strings), the date (UTC, ISO 8601),
-    :func:`code_version`, :func:`machine_info`, the task's ``settings`` and its ``results``; NaN/inf
-    become ``null``.
+    ``code`` (:func:`code_version` taken when the run started, as the command line does: a commit
+    made during a run is not the code that ran; None: taken now), :func:`machine_info`, the task's
+    ``settings`` and its ``results``; NaN/inf become ``null``.
     """
     record = {
         "task": task,
         "command": list(command),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "code": code_version(),
+        "code": code_version() if code is None else code,
         "machine": machine_info(),
         "settings": settings,
         "results": results,

@@ -196,8 +196,8 @@ def run(args):
                                                     "test_fraction", "seed", "png")}
     settings["methods"] = methods
     settings["learning_rates"] = DEFAULT_LEARNING_RATES
-    _results.write_json(args.out, "kfac_digits", args.command, settings,
-                        {"rows": rows})
+    _results.write_json(args.out, "kfac_digits", args.command, settings, {"rows": rows},
+                        code=args.code)
     plot_reliability(rows, args.png)
     return rows
 

@@ -506,4 +506,4 @@ def run(args):
                   "datasets/README.md": {d: README_PUBLISHED[d] for d in datasets},
                   "paper_columns": PAPER_COLUMNS}
     _results.write_json(out, "logreg", args.command, settings,
-                        {"datasets": results, "references": references})
+                        {"datasets": results, "references": references}, code=args.code)

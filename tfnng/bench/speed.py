@@ -302,4 +302,4 @@ def run(args):
         "targets": TARGETS,
         "state_bytes_counts": "all optimizer.variables: per-weight slots and scalar counters/seed state",
     }
-    _results.write_json(args.out, "speed", args.command, settings, {"rows": rows})
+    _results.write_json(args.out, "speed", args.command, settings, {"rows": rows}, code=args.code)

@@ -497,8 +497,9 @@ def add_arguments(parser):
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: {QUICK_SPLITS} splits, {QUICK_EPOCHS} epochs (unless given)")
     parser.add_argument("--out", default=None,
-                        help="JSON file (default: results/uci_<dataset>_<method>_from<first split>"
-                             "[x<splits>]_e<epochs>.json)")
+                        help="JSON file (default: results/uci_[<data folder>_]<dataset>_<method>"
+                             "_from<first split>[x<splits>]_e<epochs>.json, the data folder named "
+                             "unless it is `uci`)")
 
 
 def run(args):
@@ -515,13 +516,16 @@ def run(args):
     splits = args.splits if args.splits is not None or not args.quick else QUICK_SPLITS
     epochs = args.epochs if args.epochs is not None else (QUICK_EPOCHS if args.quick else EPOCHS)
     # The default name says which splits and epochs it holds: "splits 0-9, then --first-split 10"
-    # writes two files.
+    # writes two files; and which data folder, unless the standard one (`datasets/uci`): another
+    # folder's copy of a data set may hold another task (docs/benchmarks.md, naval_turbine).
+    folder = Path(args.data_dir).resolve().name
+    folder_tag = "" if folder == "uci" else f"{folder}_"
     split_range = f"from{args.first_split}" + ("" if splits is None else f"x{splits}")
     settings_tag = "".join(f"_{name}={value}" for name, value in overrides.items()) + "".join(
         f"_{tag}{value}" for tag, value, default in (
             ("mc", args.mc_samples, 1), ("b", args.batch_size, None),
             ("ps", args.predictive_samples, NUM_PREDICTIVE_SAMPLES)) if value != default)
-    out = args.out or (f"results/uci_{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}"
+    out = args.out or (f"results/uci_{folder_tag}{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}"
                        f"{settings_tag}_{split_range}_e{epochs}.json")
     _results.check_writable(out, "--out")
     missing = [d for d in datasets if not (Path(args.data_dir) / d).is_dir()]
@@ -546,4 +550,5 @@ def run(args):
         "overrides": overrides,
     }
     references = {d: _references(d) for d in datasets}
-    _results.write_json(out, "uci", args.command, settings, {"summaries": summaries, "references": references})
+    _results.write_json(out, "uci", args.command, settings,
+                        {"summaries": summaries, "references": references}, code=args.code)
