@@ -54,7 +54,8 @@ def loop_gradients(model, x, y):
     for i in range(B):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(keras.losses.mean_squared_error(y[i:i + 1], model(x[i:i + 1])))
-        rows.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+        rows.append([tf.convert_to_tensor(g).numpy()      # (an embedding's are IndexedSlices)
+                     for g in tape.gradient(loss, model.trainable_variables)])
     return [np.stack(parts) for parts in zip(*rows)]
 
 
@@ -96,6 +97,48 @@ def test_auto_falls_back_to_the_jacobian_when_vectorized_map_fails(monkeypatch):
     with pytest.raises(ValueError, match="method"):
         per_example.per_example_gradients(model, keras.losses.mean_squared_error, x, y,
                                           method="loop")
+
+
+def test_the_jacobian_method_needs_per_example_losses():
+    """A summed loss reached the Jacobian's reshape: "slice index 0 of dimension 0 out of bounds"."""
+    model = dense_model()
+    x, y = batch(model)
+    summed = keras.losses.MeanSquaredError(reduction="sum", dtype=F64)
+    with pytest.raises(ValueError, match="needs the loss of each example.*one scalar"):
+        per_example.per_example_gradients(model, summed, x, y, method="jacobian")
+    for g, e in zip(per_example.per_example_gradients(model, summed, x, y, method="vectorized_map"),
+                    loop_gradients(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-10, atol=1e-12)
+
+
+def grouped_conv_model():
+    return keras.Sequential([keras.Input((6, 5, 4), dtype=F64),
+                             keras.layers.Conv2D(4, 3, groups=2, activation="tanh", dtype=F64),
+                             keras.layers.Flatten(dtype=F64), keras.layers.Dense(2, dtype=F64)])
+
+
+def test_auto_takes_the_jacobian_where_vectorized_passes_fail_when_they_run():
+    """A grouped convolution's and a TextVectorization's pfor-converted passes convert, then fail
+    when they run (inside fit: an opaque InvalidArgumentError); "auto" takes the Jacobian."""
+    keras.utils.set_random_seed(6)
+    model = grouped_conv_model()
+    x, y = batch(model)
+    compute = tf.function(lambda x, y: per_example.per_example_gradients(
+        model, keras.losses.mean_squared_error, x, y))
+    for g, e in zip(compute(x, y), loop_gradients(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-10, atol=1e-12)
+    vectorizer = keras.layers.TextVectorization(max_tokens=20)
+    vectorizer.adapt(["a b c", "b c d e", "e f"])
+    text = keras.Sequential([vectorizer, keras.layers.Embedding(20, 3, dtype=F64),
+                             keras.layers.GlobalAveragePooling1D(dtype=F64),
+                             keras.layers.Dense(2, dtype=F64)])
+    sentences = tf.constant(["a b", "c d e f", "b", "a c e", "f e d c b"])
+    text(sentences)
+    compute = tf.function(lambda x, y, method: per_example.per_example_gradients(
+        text, keras.losses.mean_squared_error, x, y, method=method))
+    # (Not a loop over single sentences: the batch pads each to the longest.)
+    for g, e in zip(compute(sentences, y, "auto"), compute(sentences, y, "jacobian")):
+        np.testing.assert_array_equal(g.numpy(), e.numpy())
 
 
 def rows_and_reference(layer, x):

@@ -53,9 +53,9 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     Args:
         model: a callable Keras model (or layer): ``model(x, training=training)``.
         loss_fn: ``loss_fn(y_true, y_pred)`` returning per-example losses (any shape whose leading
-            axis is the batch) or their sum, e.g. ``keras.losses.binary_crossentropy``, a Keras loss
-            object with ``reduction="sum"`` or a tfnng loss with ``reduction="none"``. Its value is
-            summed per example.
+            axis is the batch), e.g. ``keras.losses.binary_crossentropy`` or a tfnng or Keras loss
+            object with ``reduction="none"``. Its value is summed per example. (The
+            ``vectorized_map`` method also takes their sum, ``reduction="sum"``.)
         x, y: the batch (``x`` may be a nested structure of tensors with a common leading axis).
         variables: the variables to differentiate (default ``model.trainable_variables``).
         method: ``"vectorized_map"`` (per-example backward passes vectorised by ``pfor``),
@@ -63,7 +63,8 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
             evaluated in a ``tf.while_loop``), or ``"auto"``: ``vectorized_map``, falling back to
             ``jacobian`` if ``pfor`` raises while converting the model; ``jacobian`` for a model
             with a recurrent layer, whose converted while loop can fail when it runs (seen with
-            a ``TimeDistributed`` layer feeding a ``SimpleRNN``).
+            a ``TimeDistributed`` layer feeding a ``SimpleRNN``), a grouped convolution
+            (``groups > 1``) or a ``TextVectorization``, whose converted passes fail when they run.
         training: the ``training`` flag of the forward pass. Default False: layers that mix examples
             in training mode (``BatchNormalization``) make per-example gradients ill defined, and
             stochastic layers would draw their noise differently per example.
@@ -74,7 +75,7 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
     variables = list(model.trainable_variables if variables is None else variables)
-    if method == "jacobian" or (method == "auto" and _has_recurrent_layer(model)):
+    if method == "jacobian" or (method == "auto" and _fails_when_vectorized(model)):
         return _jacobian_gradients(model, loss_fn, x, y, variables, training)
     try:
         return _vectorized_gradients(model, loss_fn, x, y, variables, training)
@@ -84,10 +85,15 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     return _jacobian_gradients(model, loss_fn, x, y, variables, training)
 
 
-def _has_recurrent_layer(model):
+def _fails_when_vectorized(model):
+    """Whether ``model`` has a layer whose pfor-converted pass can fail when it runs (not when
+    converted, where "auto" falls back): a recurrent layer, a grouped convolution, a
+    TextVectorization (its string split has a length per example)."""
     layers = model._flatten_layers(include_self=True, recursive=True) if isinstance(
         model, keras.layers.Layer) else []
-    return any(isinstance(layer, keras.layers.RNN) for layer in layers)
+    convolutions = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+    return any(isinstance(layer, (keras.layers.RNN, keras.layers.TextVectorization))
+               or (isinstance(layer, convolutions) and layer.groups > 1) for layer in layers)
 
 
 def _vectorized_gradients(model, loss_fn, x, y, variables, training):
@@ -105,6 +111,11 @@ def _jacobian_gradients(model, loss_fn, x, y, variables, training):
     # Eagerly, a while-loop Jacobian replays the tape once per example: it must be persistent.
     with tf.GradientTape(persistent=tf.executing_eagerly()) as tape:
         losses = loss_fn(y, model(x, training=training))
+        if losses.shape.rank == 0:
+            raise ValueError(
+                "per_example_gradients(method='jacobian') needs the loss of each example (a loss "
+                "with reduction='none'); `loss_fn` returned one scalar, a sum or mean over the "
+                "batch, which does not split by example.")
         losses = tf.reshape(losses, [tf.shape(losses)[0], -1])
         losses = tf.reduce_sum(losses, axis=1)
     jacobians = tape.jacobian(losses, variables, experimental_use_pfor=False)
