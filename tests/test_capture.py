@@ -39,6 +39,23 @@ def test_nested_models_and_subclasses_with_their_own_call():
     assert [layer.name for layer in fallback] == ["custom"]
 
 
+class StandardizedConv2D(keras.layers.Conv2D):
+    """keras-io's weight-standardised convolution: it convolves with another weight than its kernel."""
+
+    def convolution_op(self, inputs, kernel):
+        mean, variance = tf.nn.moments(kernel, axes=[0, 1, 2], keepdims=True)
+        return super().convolution_op(inputs, (kernel - mean) / tf.sqrt(variance + 1e-10))
+
+
+def test_a_conv2d_with_its_own_convolution_op_falls_back():
+    """It was captured as a plain Conv2D: VOGN's curvature for its kernel was 96% off."""
+    inputs = keras.Input((5, 5, 2))
+    out = StandardizedConv2D(3, 3, name="standardized")(keras.layers.Conv2D(2, 3, name="plain")(inputs))
+    specs, fallback = cap.find_layers(keras.Model(inputs, out))
+    assert [s.layer.name for s in specs] == ["plain"]
+    assert [layer.name for layer in fallback] == ["standardized"]
+
+
 def test_recording_captures_inputs_and_preactivation_gradients_then_restores_the_layers():
     keras.utils.set_random_seed(0)
     dense = keras.layers.Dense(3, activation="tanh")

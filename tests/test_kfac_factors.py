@@ -387,6 +387,52 @@ def test_a_layer_without_the_batch_on_its_first_axis_is_refused(fisher, static_b
             traced(tf.constant(x), tf.constant(y))
 
 
+class ConfidencePenalty(tfnng.BayesianModel):
+    """Keras's documented way to add a loss term: an overridden ``compute_loss``."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        p = tf.nn.softmax(y_pred)
+        return loss + 0.5 * tf.reduce_mean(tf.reduce_sum(p * tf.math.log(p), -1))
+
+
+class TripledOutput(tfnng.BayesianModel):
+    """A wrapper whose own ``call`` changes the net's output."""
+
+    def call(self, inputs, training=None):
+        return 3.0 * self.net(inputs, training=training)
+
+
+@pytest.mark.parametrize("model_class", [tfnng.BayesianModel, ConfidencePenalty, TripledOutput])
+def test_empirical_s_of_a_wrapper_subclass_is_its_likelihoods(model_class, float64_keras):
+    """K-FAC's first S against the brute-force S of each example's log-likelihood gradient at the
+    pre-activations. An overridden compute_loss's own term entered S (6.9% off); an overridden call
+    was bypassed: the curvature (and the gradients) were the bare net's."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)), rng.integers(0, 3, size=8)
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                            keras.layers.Dense(3)])
+    kernel, bias, out_kernel, out_bias = [w.numpy().copy() for w in net.weights]
+    scale = 3.0 if model_class is TripledOutput else 1.0
+    optimizer = tfnng.optimizers.KFAC(learning_rate=1e-3, fisher="empirical", stats_every=1,
+                                      factor_prior_count=0)
+    model = model_class(net)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    per_example = []
+    for n in range(len(x)):
+        pre_activation = tf.constant(x[n:n + 1] @ kernel + bias)
+        with tf.GradientTape() as tape:
+            tape.watch(pre_activation)
+            logits = scale * (tf.tanh(pre_activation) @ out_kernel + out_bias)
+            log_p = tf.nn.log_softmax(logits)[0, y[n]]
+        per_example.append(tape.gradient(log_p, pre_activation).numpy()[0])
+    per_example = np.array(per_example)
+    np.testing.assert_allclose(optimizer._blocks[0].state["s"].numpy(),
+                               per_example.T @ per_example / len(x), rtol=1e-9, atol=1e-12)
+
+
 class QueriesTable(keras.Model):
     """A Dense applied to a learned table of 8 query vectors (no batch axis), mixed with the batch."""
 

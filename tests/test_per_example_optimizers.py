@@ -218,6 +218,12 @@ def test_losses_not_averaged_over_the_batch_are_refused():
             model.compile(optimizer=optimizer, loss=[keras.losses.MeanSquaredError(reduction="sum")])
     model = tfnng.BayesianModel(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
     model.compile(optimizer=keras.optimizers.Adam(), loss=keras.losses.MeanSquaredError(reduction="sum"))
+    # ignore_class averages over the kept labels: the empirical curvature was B/kept too large.
+    ignoring = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+    with pytest.raises(ValueError, match=r"ignore_class=-1\) averages over the examples it keeps"):
+        vogn_after_one_batch(keras.Sequential([keras.Input((2,), dtype=F64),
+                                               keras.layers.Dense(3, dtype=F64)]),
+                             ignoring, x[:, 0, 0], tf.constant([0, -1, 2, 1]))
 
 
 def test_time_distributed_and_recurrent_layers_fall_back_and_train():
@@ -380,27 +386,98 @@ def test_a_layer_without_fast_path_needs_a_likelihood_and_says_which_and_what_el
     assert np.isfinite(model.fit(x, y, batch_size=4, verbose=0).history["loss"]).all()
 
 
+def test_the_empirical_fisher_of_a_learned_noise_squares_the_training_loss_on_both_paths():
+    """With GaussianNLL("learned") the Dense variables squared the gradients of the training loss
+    (eq. 23) and the generic path those of the Student-t predictive, 18x apart in one model."""
+    keras.utils.set_random_seed(3)
+    rng = np.random.default_rng(3)
+    net = keras.Sequential([keras.Input((3,), dtype=F64), Wiggle(dtype=F64),
+                            keras.layers.Dense(1, dtype=F64),
+                            tfnng.layers.NoisePrecision(10, dtype=F64)])
+    loss = tfnng.losses.GaussianNLL("learned", dtype=F64)
+    x, y = tf.constant(rng.normal(size=(6, 3))), tf.constant(rng.normal(size=(6, 1)))
+    optimizer = vogn_after_one_batch(net, loss, x, y)
+    for i, variable in enumerate(net.trainable_variables[:3]):     # Wiggle's scale, the Dense's
+        squares = []
+        for n in range(len(x)):
+            with tf.GradientTape() as tape:
+                training_loss = tf.reduce_sum(loss.call(y[n:n + 1], net(x[n:n + 1])))
+            squares.append(tape.gradient(training_loss, variable).numpy() ** 2)
+        np.testing.assert_allclose(optimizer._squared_gradient_mean(i).numpy(), np.mean(squares, 0),
+                                   rtol=1e-9, atol=1e-12, err_msg=variable.path)
+
+
+class ShiftedInTraining(keras.layers.Layer):
+    """Adds 100 to its input in training mode only (as dropout or batch statistics change the
+    training pass's output)."""
+
+    def call(self, x, training=None):
+        return x + 100.0 if training else x
+
+
+def test_the_generic_paths_true_fisher_samples_its_targets_from_its_own_inference_pass():
+    """The targets came from the training pass, the generic path's gradients from an inference-mode
+    pass: its curvature held the gap between the two (here 100^2 times too large)."""
+    keras.utils.set_random_seed(4)
+    net = keras.Sequential([keras.Input((3,), dtype=F64), Wiggle(dtype=F64),
+                            keras.layers.Dense(1, dtype=F64), ShiftedInTraining(dtype=F64)])
+    x = tf.constant(np.random.default_rng(4).normal(size=(40, 3)))
+    optimizer = vogn_after_one_batch(net, tfnng.losses.GaussianNLL(1.0, dtype=F64), x,
+                                     tf.zeros((40, 1), F64), fisher="true")
+    scale = net.layers[0].scale
+    jacobians = []
+    for n in range(len(x)):
+        with tf.GradientTape() as tape:
+            output = tf.reduce_sum(net(x[n:n + 1], training=False))
+        jacobians.append(tape.gradient(output, scale).numpy())
+    exact = np.mean(np.square(jacobians), 0)          # E_y[(y - f)^2] J^2 with unit noise variance
+    ratio = optimizer._squared_gradient_mean(0).numpy() / exact     # 40 draws per element
+    assert np.all((ratio > 0.4) & (ratio < 2.0)), ratio
+
+
+def test_sparse_inputs_give_the_statistics_of_their_dense_values():
+    """A Dense on a sparse input (keras.Input(sparse=True)) crashed the capture with a TypeError."""
+    rng = np.random.default_rng(6)
+    dense = (rng.random((6, 5)) < 0.4) * rng.normal(size=(6, 5))
+    y = tf.constant(rng.normal(size=(6, 1)))
+    squares = []
+    for x in (tf.constant(dense), tf.sparse.from_dense(tf.constant(dense))):
+        keras.utils.set_random_seed(6)
+        net = keras.Sequential([keras.Input((5,), dtype=F64, sparse=True),
+                                keras.layers.Dense(3, activation="tanh", dtype=F64),
+                                keras.layers.Dense(1, dtype=F64)])
+        optimizer = vogn_after_one_batch(net, tfnng.losses.GaussianNLL(1.0, dtype=F64), x, y)
+        squares.append([optimizer._squared_gradient_mean(i).numpy() for i in range(4)])
+    for from_dense, from_sparse in zip(*squares):
+        np.testing.assert_allclose(from_sparse, from_dense, rtol=1e-12)
+
+
 @pytest.mark.parametrize("make", [
     lambda: tfnng.optimizers.VOGN(learning_rate=0.1, num_examples=8, seed=0),
     lambda: tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=8, seed=0)])
 def test_a_one_output_model_may_list_its_likelihood_for_the_true_fisher(make):
     """``loss=[l]`` (Keras accepts it for one output) trains exactly as ``loss=l``, also where the
-    generic path scores each example (the LayerNormalization)."""
+    generic path scores each example (the LayerNormalization); so does an output named in a
+    one-entry dict (the true Fisher's sampler failed on the dict: "Expected any non-tensor type")."""
     x = np.random.default_rng(8).normal(size=(8, 2)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
     likelihood = tfnng.losses.CategoricalNLL()
     means = {}
-    for name, loss in [("bare", likelihood), ("list", [likelihood])]:
+    for name, loss in [("bare", likelihood), ("list", [likelihood]),
+                       ("dict output", {"out": likelihood})]:
         keras.utils.set_random_seed(0)
-        net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, activation="tanh"),
-                                keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+        inputs = keras.Input((2,))
+        hidden = keras.layers.LayerNormalization()(keras.layers.Dense(3, activation="tanh")(inputs))
+        outputs = keras.layers.Dense(2, name="out")(hidden)
+        net = keras.Model(inputs, {"out": outputs} if name == "dict output" else outputs)
         model = tfnng.BayesianModel(net)
         optimizer = make()
         model.compile(optimizer=optimizer, loss=loss)
         model.fit(x, y, batch_size=4, epochs=2, verbose=0)
         means[name] = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
-    for listed, bare in zip(means["list"], means["bare"]):
-        np.testing.assert_array_equal(listed, bare)
+    for name in ("list", "dict output"):
+        for listed, bare in zip(means[name], means["bare"]):
+            np.testing.assert_array_equal(listed, bare)
 
 
 class TwinNames(keras.Model):

@@ -83,6 +83,18 @@ def single_loss(loss):
     return losses[0] if len(losses) == 1 else loss
 
 
+def single_output(output, caller):
+    """The one output tensor of a model, also when it comes in a one-entry dict or list (Keras
+    accepts ``{"output": tensor}`` as a model's one output); a clear error for several."""
+    leaves = tf.nest.flatten(output)
+    if len(leaves) != 1:
+        raise ValueError(
+            f"{caller} needs a model with one output tensor (the likelihood's parameters), got "
+            f"{len(leaves)} in a {type(output).__name__}. For several outputs, draw weight samples "
+            "with `model.optimizer.sample_weights()` and call the model at each.")
+    return leaves[0]
+
+
 def require_mean_reduction(loss_name, reduction):
     """Stop with a clear error unless ``reduction`` averages over the batch: tfnng optimizers
     multiply the mean loss by N (a sum would weaken the prior and lengthen the step by the batch

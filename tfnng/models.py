@@ -201,10 +201,17 @@ def _scale_examples(tensor, scale):
 def check_mean_reduction(loss):
     """Stop with a clear error unless every loss in ``loss`` (one, or a list/dict per output) is a mean
     over the batch (:func:`tfnng.losses.require_mean_reduction`). Losses without a ``reduction``
-    attribute (plain functions, Keras names) are means."""
+    attribute (plain functions, Keras names) are means. A Keras loss's ``ignore_class`` is refused:
+    its mean is over the examples it keeps, a mask the curvature statistics do not see."""
     for single in tf.nest.flatten(loss):
-        _losses.require_mean_reduction(type(single).__name__,
-                                       getattr(single, "reduction", _losses.MEAN_REDUCTIONS[0]))
+        name = type(single).__name__
+        _losses.require_mean_reduction(name, getattr(single, "reduction", _losses.MEAN_REDUCTIONS[0]))
+        if getattr(single, "ignore_class", None) is not None:
+            raise ValueError(
+                f"{name}(ignore_class={single.ignore_class}) averages over the examples it keeps, "
+                "a mask the curvature statistics do not see (each kept example's would be "
+                "B/kept times too large). Give the ignored examples sample_weight 0 instead (the "
+                "loss is then a mean over the batch).")
 
 
 def _single_likelihood(loss_fn, purpose, alternative):
@@ -219,6 +226,15 @@ def _single_likelihood(loss_fn, purpose, alternative):
         raise ValueError(f"{purpose} needs a tfnng likelihood loss (GaussianNLL, CategoricalNLL, "
                          f"BernoulliNLL); another loss is supported only {alternative}.")
     return loss_fn
+
+
+def _sampled_targets(likelihood, output, seed):
+    """Targets drawn from the predictive ``likelihood`` of ``output`` (the true Fisher's), with this
+    replica's stream of ``seed``. Non-finite outputs (a diverging step) would make the sampler return
+    invalid targets: they are drawn from a finite stand-in (the statistics are non-finite anyway and
+    get skipped)."""
+    finite = tf.where(tf.math.is_finite(output), output, tf.zeros_like(output))
+    return tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite), seed=_replica_seed(seed)))
 
 
 def _true_fisher_likelihood(loss_fn):
@@ -244,14 +260,15 @@ def _gather_over_replicas(records):
     local = [at_least_float32(getattr(records[name], field)) for name, field in parts]
     gathered = context.all_gather(local, axis=0)
     for (name, field), value, mine in zip(parts, gathered, local):
-        # all_gather forgets the static shape; every replica traces the same per-replica shape.
-        batch = None if mine.shape[0] is None else mine.shape[0] * context.num_replicas_in_sync
-        setattr(records[name], field, tf.ensure_shape(value, [batch] + list(mine.shape[1:])))
+        # all_gather forgets the static shape; the replicas' batches may differ in size (a batch
+        # that does not split evenly), the other axes do not.
+        setattr(records[name], field, tf.ensure_shape(value, [None] + list(mine.shape[1:])))
     return records
 
 
 def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weight=None,
-                            seed=None, compute_loss=None, compute_likelihood_loss=None):
+                            seed=None, compute_loss=None, compute_likelihood_loss=None,
+                            loss_adds_terms=False):
     """One forward/backward pass of ``net`` with curvature capture.
 
     Args:
@@ -274,6 +291,9 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             differentiates it when one of those depends on a captured pre-activation, so that the
             curvature is the likelihood's (default: ``loss_fn(y, y_pred, sample_weight)``).
             BayesianModel passes Keras's compiled loss alone.
+        loss_adds_terms: ``compute_loss`` may hold terms of its own besides the likelihood and the
+            net's losses (a model overriding ``keras.Model.compute_loss``): the empirical Fisher
+            then always differentiates ``compute_likelihood_loss`` (if given).
 
     Returns:
         ``(loss, y_pred, grads, captured)`` with ``grads`` aligned with ``net.trainable_variables``.
@@ -306,11 +326,13 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         # loss, not in the likelihood whose curvature the empirical Fisher estimates.
         penalties = list(net.losses) if compute_loss is not None else []
         likelihood_loss = penalty = None
-        if penalties and requirements.fisher == "empirical" and capture.specs:
+        if ((penalties or (loss_adds_terms and compute_likelihood_loss is not None))
+                and requirements.fisher == "empirical" and capture.specs):
             likelihood_loss = (compute_likelihood_loss(y_pred) if compute_likelihood_loss is not None
                                else loss_fn(y, y_pred, sample_weight=sample_weight))
-            # Summed on the tape: its gradients tell whether a penalty reaches a pre-activation.
-            penalty = tf.add_n([tf.cast(term, loss.dtype) for term in penalties])
+            if not loss_adds_terms:
+                # Summed on the tape: its gradients tell whether a penalty reaches a pre-activation.
+                penalty = tf.add_n([tf.cast(term, loss.dtype) for term in penalties])
         # Keras optimizers scale the loss under mixed precision; protocol stand-ins need not.
         scale_loss = getattr(optimizer, "scale_loss", None)
         loss_scale = tf.ones((), loss.dtype) if scale_loss is None else scale_loss(
@@ -329,22 +351,19 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         adaptive = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         example_scale = (_power_of_two_near(loss_scale / batch) if adaptive
                          else tf.ones((), loss.dtype))
-        fisher_ll, targets = None, y
-        if requirements.fisher == "true" and (capture.specs or generic):
+        fisher_ll = None
+        if requirements.fisher == "true" and capture.specs:
             likelihood = _true_fisher_likelihood(loss_fn)
-            # Non-finite outputs (a diverging step) would make the sampler return invalid targets;
-            # sample from a finite stand-in: the statistics are non-finite anyway and get skipped.
-            finite_pred = tf.where(tf.math.is_finite(y_pred), y_pred, tf.zeros_like(y_pred))
-            targets = tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite_pred),
-                                                         seed=_replica_seed(seed)))
-            log_probs = likelihood.log_prob(targets, y_pred)
+            output = _losses.single_output(y_pred, "The true Fisher")
+            targets = _sampled_targets(likelihood, output, seed)
+            log_probs = likelihood.log_prob(targets, output)
             if weights is not None:
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
             fisher_ll = tf.reduce_sum(log_probs) * tf.cast(example_scale, log_probs.dtype)
     records = capture.captured() if capture.specs else {}
     _check_batch_axes(records, tf.nest.flatten(x)[0].shape[0], batch_size)
     zeros = [r.zero for r in records.values()]
-    if likelihood_loss is not None and zeros:
+    if penalty is not None and zeros:
         # A penalty that reaches a pre-activation (activity regulariser, add_loss on activations)
         # needs a backward pass of the likelihood alone; weight penalties do not. (Unused, the
         # penalty's gradients are pruned from the traced graph.)
@@ -376,8 +395,9 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             record.preactivation_grads = g
     scaled_statistics = list(pre_grads) if zeros and requirements.fisher == "true" else []
     if generic:
-        generic_records = _generic_records(net, loss_fn, x, targets, generic, due, weights,
-                                           example_scale, taken=list(records))
+        generic_records = _generic_records(net, loss_fn, x, y, generic, due, weights, example_scale,
+                                           taken=list(records), fisher=requirements.fisher,
+                                           seed=seed)
         scaled_statistics += [r.gradients for r in generic_records.values()]
         records.update(generic_records)
     if adaptive and scaled_statistics:
@@ -476,10 +496,17 @@ def _generic_variables(capture, variables):
     return [v for v in variables if id(v) not in owned and not _markers.is_point_estimate(v)]
 
 
-def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_scale, taken):
+def _generic_records(net, loss_fn, x, y, variables, due, weights, example_scale, taken, fisher,
+                     seed):
     """Per-example log-likelihood gradients of ``variables`` by the generic path (only when ``due``),
     scaled by the square roots of the example ``weights`` (if any), under names not in ``taken``;
-    differentiated at ``example_scale`` (a loss scale over the batch size) and unscaled."""
+    differentiated at ``example_scale`` (a loss scale over the batch size) and unscaled.
+
+    The passes run in inference mode (per_example_gradients), so the true Fisher's targets are
+    sampled from the inference-mode outputs (the training pass's differ under dropout or batch
+    statistics); the empirical Fisher differentiates minus the training loss of each example (for
+    a learned noise precision, eq. 23, not the Student-t predictive), as the Dense/Conv2D path does.
+    """
     likelihood = _single_likelihood(
         loss_fn, f"The per-example gradients of {', '.join(layer_paths(variables))} (no Dense/Conv2D fast path: "
                  "each example's log-likelihood is differentiated)",
@@ -487,16 +514,22 @@ def _generic_records(net, loss_fn, x, targets, variables, due, weights, example_
         "estimates with tfnng.mark_point_estimate")
 
     def log_likelihood(y_true, y_pred):
-        log_probs = likelihood.log_prob(y_true, y_pred)
+        output = _losses.single_output(y_pred, "The per-example gradients")
+        log_probs = (likelihood.log_prob(y_true, output) if fisher == "true"
+                     else -likelihood.call(y_true, output))
         return log_probs * tf.cast(example_scale, log_probs.dtype)
 
     def compute():
+        targets = y
+        if fisher == "true":
+            targets = _sampled_targets(
+                likelihood, _losses.single_output(net(x, training=False), "The true Fisher"), seed)
         return [g / tf.cast(example_scale, g.dtype) for g in _per_example.per_example_gradients(
             net, log_likelihood, x, targets, variables)]
 
+    batch = tf.shape(tf.nest.flatten(x)[0])[0]
     gradients = tf.cond(due, compute,
-                        lambda: [tf.zeros((tf.shape(targets)[0],) + tuple(v.shape), v.dtype)
-                                 for v in variables])
+                        lambda: [tf.zeros((batch,) + tuple(v.shape), v.dtype) for v in variables])
     if weights is not None:
         gradients = [_scale_examples(g, tf.sqrt(weights)) for g in gradients]
     names = unique_names(taken + [v.path for v in variables])[len(taken):]
@@ -721,12 +754,15 @@ class BayesianModel(keras.Model):
             def compute_likelihood_loss(y_pred):     # the compiled loss without the net's losses
                 return self._compile_loss(y, y_pred, sample_weight)
 
+            # The wrapper's own forward pass and loss: a subclass may override `call` or
+            # `compute_loss` (Keras's way to add a loss term), which the curvature must follow.
             nll, y_pred, grads, captured = gradients_and_curvature(
-                self.net, self._layer_capture, optimizer, self.loss, x, y, sample_weight,
+                self, self._layer_capture, optimizer, self.loss, x, y, sample_weight,
                 seed=self._fisher_seed, compute_loss=compute_loss,
                 compute_likelihood_loss=(compute_likelihood_loss if self._compile_loss is not None
-                                         else None))
-            variables = self.net.trainable_variables
+                                         else None),
+                loss_adds_terms=type(self).compute_loss is not keras.Model.compute_loss)
+            variables = self.trainable_variables
             _require_known_variables(unwrap_optimizer(optimizer), variables)
             unwrap_optimizer(optimizer).receive_curvature(captured)
             optimizer.apply_gradients(zip(grads, variables))

@@ -166,7 +166,7 @@ def _traced(cache, owner, call, **options):
 
 def _traced_forward(model):
     """The model's inference-mode forward pass, traced once per input signature."""
-    return _traced(_FORWARD_PASSES, model, lambda net, xb: _one_output(net(xb, training=False)),
+    return _traced(_FORWARD_PASSES, model, lambda net, xb: _losses.single_output(net(xb, training=False), "tfnng.predict"),
                    reduce_retracing=True)
 
 
@@ -206,18 +206,6 @@ def _inputs(x, model, caller="tfnng.predict"):
         raise ValueError(f"{caller}: the model takes inputs of shape {tuple(expected)}; got `x` "
                          f"of shape {tuple(x.shape)}.")
     return x
-
-
-def _one_output(output, caller="tfnng.predict"):
-    """The model's one output tensor, also when it comes in a one-entry dict or list (a clear
-    error for a model with several outputs)."""
-    leaves = tf.nest.flatten(output)
-    if len(leaves) != 1:
-        raise ValueError(
-            f"{caller} needs a model with one output tensor (the likelihood's parameters), got "
-            f"{len(leaves)} in a {type(output).__name__}. For several outputs, draw weight samples "
-            "with `model.optimizer.sample_weights()` and call the model at each.")
-    return leaves[0]
 
 
 def _per_weight_sample(fn, outputs):

@@ -40,13 +40,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfnng import _random
+from tfnng import losses as _losses
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
 from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 from tfnng.optimizers.kfac import NoisyKFAC
 from tfnng.posteriors import diagonal as _diagonal
 from tfnng.posteriors import kronecker as _kron
-from tfnng.predict import (_frozen_variables, _likelihood_of, _one_output, _seed_generator_states,
+from tfnng.predict import (_frozen_variables, _likelihood_of, _seed_generator_states,
                            predictive_moments)
 
 #: Output names -> key of ``predictive_moments`` (module ``tfnng.predict``), per kind of likelihood.
@@ -273,7 +274,7 @@ def _tensor_specs(model):
     except (AttributeError, TypeError, ValueError) as error:
         raise ValueError("tfnng.serving.export supports built models with one input tensor of known "
                          f"shape (`model.input_shape`): {error}") from error
-    output = _one_output(output, "tfnng.serving.export")
+    output = _losses.single_output(output, "tfnng.serving.export")
     return (tf.TensorSpec(shape, keras.config.floatx(), name="inputs"),
             tf.TensorSpec(output.shape, output.dtype))
 
@@ -319,8 +320,8 @@ class _Predictive(tf.Module):
                     len(generator_states))
                 for k, index in enumerate(generator_states):
                     non_trainable[index] = tf.cast(states[k], non_trainable[index].dtype)
-            return _one_output(model.stateless_call(trainable, non_trainable, inputs,
-                                                    training=False)[0])
+            return _losses.single_output(model.stateless_call(
+                trainable, non_trainable, inputs, training=False)[0], "tfnng.serving.export")
 
         def predictive(inputs, seed):
             per_sample = tf.map_fn(lambda s: forward_at_sample(inputs, s),

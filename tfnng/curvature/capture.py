@@ -82,6 +82,8 @@ def layer_kind(layer):
         kind = DENSE
     elif (isinstance(layer, keras.layers.Conv2D)
           and type(layer).call is keras.layers.Conv2D.call
+          # (a subclass standardising its kernel in convolution_op computes with another weight)
+          and type(layer).convolution_op is keras.layers.Conv2D.convolution_op
           and getattr(layer, "groups", 1) == 1):
         kind = CONV2D
     else:
@@ -219,14 +221,21 @@ class _LayerHook:
                 "fori_loop, while_loop, scan, cond); the curvature capture of Dense/Conv2D layers "
                 "(K-FAC factors, per-example gradients) does not support it. Use a diagonal-family "
                 "optimizer for such models.")
+        sparse = isinstance(inputs, tf.SparseTensor)        # (a Dense takes them: bag of words)
+        called = inputs
+        if cut_inputs:
+            called = (tf.SparseTensor(inputs.indices, tf.stop_gradient(inputs.values),
+                                      inputs.dense_shape) if sparse else tf.stop_gradient(inputs))
         self.thread.pending, self.thread.zero = tape, None
         try:
-            outputs = self.call(tf.stop_gradient(inputs) if cut_inputs else inputs, *args, **kwargs)
+            outputs = self.call(called, *args, **kwargs)
         finally:
             zero, self.thread.pending = self.thread.zero, None
         if zero is None:
             raise RuntimeError(f"Could not capture the pre-activations of layer {name!r}.")
-        records[name] = CapturedLayer(inputs=tf.convert_to_tensor(inputs), zero=zero)
+        # The statistics (K-FAC's A, per-example rows) need the input's dense values.
+        records[name] = CapturedLayer(
+            inputs=tf.sparse.to_dense(inputs) if sparse else tf.convert_to_tensor(inputs), zero=zero)
         return outputs
 
     def _capturing_activation(self, pre_activation):

@@ -68,7 +68,7 @@ def activation_rows(spec, inputs):
             padding=layer.padding.upper())
         rows = _positions_rows(patches, kh * kw * x.shape[-1])
     else:
-        rows = _positions_rows(inputs, inputs.shape[-1])
+        rows = _positions_rows(inputs, layer.kernel.shape[0])    # (a sparse input's is unknown)
     rows = tf.cast(rows, spec.kernel.dtype)
     if spec.has_bias:
         rows = tf.concat([rows, tf.ones_like(rows[..., :1])], axis=-1)
@@ -80,7 +80,7 @@ def gradient_rows(spec, preactivation_grads):
     g = tf.convert_to_tensor(preactivation_grads)
     if spec.kind == CONV2D:
         g = _to_channels_last(spec.layer, g)
-    return tf.cast(_positions_rows(g, g.shape[-1]), spec.kernel.dtype)
+    return tf.cast(_positions_rows(g, spec.layer.kernel.shape[-1]), spec.kernel.dtype)
 
 
 def example_gradient_norm_bounds(spec, inputs, preactivation_grads):
