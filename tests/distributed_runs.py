@@ -15,6 +15,7 @@ Adding an optimizer to the comparison is one entry in ``CASES``.
 
 import argparse
 import typing
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -201,6 +202,53 @@ def raise_on_a_nan_in_one_replica(strategy):
     return raised, snapshot(net, optimizer)[2]
 
 
+def uneven_hand_written_step(strategy):
+    """One empirical-Fisher noisy K-FAC step of docs/distributed.md's hand-written loop on a batch
+    of 5 (3 and 2 examples on the replicas): the output layer's S, and its brute-force value."""
+    x, y = make_data(5)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                                keras.layers.Dense(1)])
+        residuals = (y - net(x).numpy()) / NOISE_VARIANCE
+        optimizer = _opt.NoisyKFAC(0.0, 5, fisher="empirical", stats_every=1, stat_decay=1.0,
+                                   factor_prior_count=0, seed=SEED)
+        capture = tfnng.curvature.capture.LayerCapture(net)
+        optimizer.prepare_curvature(capture.specs)
+        optimizer.build(net.trainable_variables)
+        loss_fn = tfnng.losses.GaussianNLL(NOISE_VARIANCE)
+
+    @tf.function
+    def train_step(x, y):
+        def step(x, y):
+            loss, _, grads, curvature = models.gradients_and_curvature(
+                net, capture, optimizer, loss_fn, x, y)
+            optimizer.apply_gradients(zip(grads, net.trainable_variables), curvature=curvature)
+            return loss
+        return strategy.reduce("SUM", strategy.run(step, args=(x, y)), axis=None)
+
+    for xb, yb in strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(8)):
+        train_step(xb, yb)
+    return np.asarray(optimizer._blocks[1].state["s"]), np.mean(residuals ** 2, keepdims=True)
+
+
+def tensorboard_tags(strategy, logdir):
+    """The tags PosteriorTensorBoard wrote in one epoch under the strategy (it stopped at the first
+    epoch: int() of the optimizer's MirroredVariable iterations)."""
+    x, y = make_data(GLOBAL_BATCH)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        net = make_net("layer_norm", True)
+        net.compile(optimizer=_opt.NoisyAdam(5e-2, GLOBAL_BATCH, seed=SEED),
+                    loss=tfnng.losses.GaussianNLL(NOISE_VARIANCE))
+    net.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+            callbacks=[tfnng.callbacks.PosteriorTensorBoard(logdir)])
+    return sorted({value.tag for path in Path(logdir).rglob("events*")
+                   for event in tf.compat.v1.train.summary_iterator(str(path))
+                   for value in event.summary.value})
+
+
 def mixed_precision_runs(strategy):
     """Curvature optimizers under the strategy with each half-precision policy: the finite losses
     of one epoch ("mixed_bfloat16"), or the error ``compile`` raises ("mixed_float16")."""
@@ -261,6 +309,8 @@ def main(argv=None):
     out["raise|raised"], out["raise|replicas_identical"] = raise_on_a_nan_in_one_replica(mirrored)
     for key, value in mixed_precision_runs(mirrored).items():
         out[f"mixed|{key}"] = value
+    out["uneven|s"], out["uneven|brute_force"] = uneven_hand_written_step(mirrored)
+    out["tensorboard|tags"] = np.asarray(tensorboard_tags(mirrored, f"{args.out}.logs"))
     np.savez(args.out, **out)
 
 

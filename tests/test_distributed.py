@@ -125,6 +125,16 @@ def test_nonfinite_raise_on_one_replicas_nan_leaves_identical_replicas(runs):
     assert runs["raise|raised"] and runs["raise|replicas_identical"]
 
 
+def test_the_hand_written_loop_takes_a_batch_the_replicas_share_unevenly(runs):
+    """A batch of 5 on 2 replicas (3 + 2) failed in the all-gather ("[5,3] is not compatible with
+    expected shape [4,3]"); the output layer's empirical S is the brute-force mean."""
+    np.testing.assert_allclose(runs["uneven|s"], runs["uneven|brute_force"], rtol=1e-5)
+
+
+def test_posterior_tensorboard_logs_under_the_strategy(runs):
+    assert {"elbo/kl", "elbo/nll"} <= set(runs["tensorboard|tags"])
+
+
 @pytest.mark.parametrize("name", ["noisy_kfac", "vogn"])
 def test_curvature_optimizers_under_mixed_precision(runs, name):
     """"mixed_bfloat16" trains (the all-gather refused bfloat16 curvature tensors); "mixed_float16",

@@ -24,12 +24,12 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from tfnng import _markers
+from tfnng import losses as _losses
 from tfnng import metrics as _metrics
 from tfnng._names import unique_names
 from tfnng.models import unwrap_optimizer
 from tfnng.optimizers.base import NoisyOptimizer, _non_negative_int, _positive_int
-from tfnng.predict import (_inputs, _likelihood_of, _one_output, _seed_generator_states, _targets,
-                           predict)
+from tfnng.predict import _inputs, _likelihood_of, _seed_generator_states, _targets, predict
 
 _NEEDS_LABELS = ("PredictiveValidation scores accuracy and calibration, which need class ids or "
                  "one-hot labels (not soft labels)")
@@ -110,7 +110,8 @@ class PredictiveValidation(keras.callbacks.Callback):
         if self.model.built:
             try:
                 with self._random_states_kept():        # an MC dropout layer draws even here
-                    output = _one_output(self.model(x[:1], training=False), "PredictiveValidation")
+                    output = _losses.single_output(self.model(x[:1], training=False),
+                                                   "PredictiveValidation")
                     likelihood.log_prob(y[:1], output)
             except (ValueError, TypeError, tf.errors.OpError) as error:
                 raise ValueError("PredictiveValidation: the model and its likelihood cannot score "
@@ -249,7 +250,7 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
         self._writer = tf.summary.create_file_writer(self.log_dir)
 
     def on_epoch_begin(self, epoch, logs=None):
-        iterations = int(self.model.optimizer.iterations)
+        iterations = int(np.asarray(self.model.optimizer.iterations))   # (also a MirroredVariable)
         if self._batches_seen is None:      # here: BackupAndRestore restores at train begin
             self._batches_seen = iterations
         self._batches_before_epoch = self._batches_seen
@@ -264,7 +265,7 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
         if steps:
             done = min(batch + 1, steps)
         else:
-            done = int(self.model.optimizer.iterations) - self._iterations_before_epoch
+            done = int(np.asarray(self.model.optimizer.iterations)) - self._iterations_before_epoch
         previous, self._batches_seen = self._batches_seen, self._batches_before_epoch + done
         if self.update_freq != "epoch" and (self._batches_seen // self.update_freq
                                             > previous // self.update_freq):
