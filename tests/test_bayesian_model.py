@@ -750,6 +750,33 @@ def test_errors_and_serialization():
         assert clone.get_config() == config
 
 
+class PenaltyLayer(keras.layers.Layer):
+    """Adds the mean square of its input to the model's losses (``add_loss``)."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.mean(x ** 2))
+        return x
+
+
+@pytest.mark.parametrize("make", [lambda: tfnng.optimizers.VOGN(num_examples=8),
+                                  lambda: tfnng.optimizers.NoisyKFAC(num_examples=8)],
+                         ids=["VOGN", "NoisyKFAC"])
+def test_the_true_fisher_without_a_likelihood_loss_says_what_to_pass(make):
+    """A net whose only loss was an add_loss term was told another loss "is supported only with
+    fisher='empirical'", not that compile had no loss. Another loss is refused at compile."""
+    x, y = np.zeros((8, 3), "float32"), np.zeros((8, 1), "float32")
+    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="out"),
+                            PenaltyLayer(name="penalty")])
+    model = tfnng.BayesianModel(net)
+    model.compile(optimizer=make())
+    with pytest.raises(ValueError, match=r"compiled without one: pass it to compile"):
+        model.fit(x, y, verbose=0)
+    model = tfnng.BayesianModel(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    with pytest.raises(ValueError, match=r"needs a tfnng likelihood loss.*another loss is "
+                                         r"supported only with fisher='empirical'"):
+        model.compile(optimizer=make(), loss="mse")
+
+
 @pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=8),
                                   lambda: tfnng.optimizers.VOGN(num_examples=8),
                                   lambda: tfnng.optimizers.NoisyKFAC(num_examples=8)])

@@ -878,12 +878,17 @@ def test_beta_schedules_outside_the_unit_interval_stop_training(beta):
         model.fit(np.zeros((8, 3)), np.zeros((8, 1)), batch_size=4, verbose=0)
 
 
-def test_curvature_missing_from_a_custom_loop_is_a_clear_error():
-    """Both used to end in Python errors about None (TypeError, AttributeError)."""
+@pytest.mark.parametrize("make", [lambda: tfnng.optimizers.VOGN(1e-2, num_examples=8),
+                                  lambda: tfnng.optimizers.NoisyKFAC(1e-2, num_examples=8)],
+                         ids=["VOGN", "NoisyKFAC"])
+def test_curvature_missing_from_a_custom_loop_is_a_clear_error(make):
+    """Both used to end in Python errors about None (TypeError, AttributeError); the message then
+    told a BayesianModel with its own train_step to "train a tfnng.BayesianModel"."""
     net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    optimizer = tfnng.optimizers.VOGN(1e-2, num_examples=8)
+    optimizer = make()
     optimizer.prepare_curvature(LayerCapture(net).specs)
-    with pytest.raises(ValueError, match="received no per-example statistics"):
+    with pytest.raises(ValueError, match=r"received no curvature statistics.*custom train_step.*"
+                                         r"gradients_and_curvature.*curvature=curvature"):
         optimizer.apply_gradients(zip([tf.zeros_like(v) for v in net.trainable_variables],
                                       net.trainable_variables))
     with pytest.raises(ValueError, match="consumes curvature statistics.*got NoisyAdam"):

@@ -219,6 +219,11 @@ def _single_likelihood(loss_fn, purpose, alternative):
     a one-output model (:func:`tfnng.losses.single_loss`), else a clear error suggesting
     ``alternative``."""
     loss_fn = _losses.single_loss(loss_fn)
+    if loss_fn is None:
+        raise ValueError(f"{purpose} needs a tfnng likelihood loss, and the model was compiled "
+                         "without one: pass it to compile, e.g. `model.compile(optimizer, "
+                         "loss=tfnng.losses.GaussianNLL())` (the model's add_loss terms are added "
+                         "to it).")
     if isinstance(loss_fn, (list, tuple, dict)):
         raise ValueError(f"{purpose} needs one tfnng likelihood loss; a model compiled with one "
                          f"loss per output is supported only {alternative}.")

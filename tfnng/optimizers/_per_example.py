@@ -58,19 +58,12 @@ class PerExampleStatistics:
         return layer_paths(v for i, v in enumerate(variables)
                            if i not in self._fast_sources and not self._point[i])
 
-    def _records(self):
-        if self._curvature_batch is None:
-            raise ValueError(
-                f"{type(self).__name__} received no per-example statistics for this step: train a "
-                "tfnng.BayesianModel, or pass `curvature=` (from tfnng.models.gradients_and_curvature) "
-                "to apply_gradients.")
-        return self._curvature_batch
 
     def _from_layer(self, index, compute):
         """One part of a captured layer's per-example quantity, computed once per layer and step."""
         spec, part = self._fast_sources[index]
         key = (compute.__name__, spec.name)
-        records = self._records()               # a clear error first when there are none
+        records = self._received_curvature()               # a clear error first when there are none
         if key not in self._curvature_cache:
             self._curvature_cache[key] = compute(spec, records[spec.name])
         kernel, bias = self._curvature_cache[key]
@@ -92,7 +85,7 @@ class PerExampleStatistics:
                 spec, part = self._fast_sources[index]
                 if spec.name not in layer_blocks:
                     layer_blocks[spec.name] = _per_example.layer_block(
-                        spec, self._records()[spec.name], dtype)
+                        spec, self._received_curvature()[spec.name], dtype)
                 layout.append((layer_blocks[spec.name], part))
             else:
                 layout.append((_per_example.variable_block(self._generic_gradients(index), dtype),
@@ -101,7 +94,7 @@ class PerExampleStatistics:
 
     def _generic_gradients(self, index):
         variable = self._trainable_variables[index]
-        for record in self._records().values():      # by identity: paths need not be unique
+        for record in self._received_curvature().values():      # by identity: paths need not be unique
             if getattr(record, "variable", None) is variable:
                 return record.gradients
         raise ValueError(

@@ -806,6 +806,17 @@ class CurvatureConsumer:
         object.__setattr__(self, "_curvature_batch", captured)
         object.__setattr__(self, "_curvature_cache", {})
 
+    def _received_curvature(self):
+        """This step's captured tensors; a clear error when ``apply_gradients`` was given none."""
+        if self._curvature_batch is None:
+            raise ValueError(
+                f"{type(self).__name__}.apply_gradients received no curvature statistics for this "
+                "step. tfnng.BayesianModel's own train_step passes them; a custom train_step or "
+                "training loop (on a BayesianModel too) must compute them with "
+                "tfnng.models.gradients_and_curvature and pass "
+                "`optimizer.apply_gradients(grads_and_vars, curvature=curvature)`.")
+        return self._curvature_batch
+
     def _backend_apply_gradients(self, grads, trainable_variables):
         super()._backend_apply_gradients(grads, trainable_variables)
         # The captured tensors belong to this step's graph: never reuse them.

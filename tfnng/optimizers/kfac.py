@@ -380,11 +380,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         by_index = {self._get_variable_index(v): (g, v) for g, v in zip(grads, trainable_variables)}
         step = self._update_count
         if self._blocks:
-            if self._curvature_batch is None:
-                raise ValueError(
-                    f"{type(self).__name__}.apply_gradients received no curvature statistics: "
-                    "train a tfnng.BayesianModel, or pass `curvature=` (see tfnng.models).")
-            captured = self._curvature_batch
+            captured = self._received_curvature()
             self._warn_if_eigh_under_xla_on_cpu()
             stats_due = finite & tf.equal(step % self.stats_every, 0)
             tf.cond(stats_due, lambda: self._update_factors(captured), lambda: tf.constant(False))
