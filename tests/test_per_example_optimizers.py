@@ -435,6 +435,42 @@ def test_the_generic_paths_true_fisher_samples_its_targets_from_its_own_inferenc
     assert np.all((ratio > 0.4) & (ratio < 2.0)), ratio
 
 
+class Scaled(keras.layers.Layer):
+    """Multiplies its input by one learned scalar (no fast path)."""
+
+    def build(self, input_shape):
+        self.factor = self.add_weight(shape=(), initializer=keras.initializers.Constant(1.5),
+                                      dtype=F64)
+
+    def call(self, x):
+        return x * self.factor
+
+
+@pytest.mark.parametrize("seed", [keras.random.SeedGenerator(3), None], ids=["seeded", "unseeded"])
+def test_both_paths_differentiate_the_same_sampled_targets(seed):
+    """The Dense/Conv2D path and the generic path drew their true-Fisher targets independently, so
+    the cross terms between their blocks (SLANG, full covariance) averaged to zero. For
+    f = s (x.k + b) and unit noise variance, the Dense pre-activation's log-likelihood gradient is
+    s (y~ - f) and the scale's is (x.k + b)(y~ - f): one residual per example in both."""
+    net = keras.Sequential([keras.Input((3,), dtype=F64), keras.layers.Dense(1, dtype=F64),
+                            Scaled(dtype=F64)])
+    x = tf.constant(np.random.default_rng(9).normal(size=(12, 3)))
+    optimizer = tfnng.optimizers.VOGN(1e-3, num_examples=10, fisher="true")
+    capture = LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    _, _, _, records = gradients_and_curvature(net, capture, optimizer,
+                                               tfnng.losses.GaussianNLL(1.0, dtype=F64), x,
+                                               tf.zeros((12, 1), F64), seed=seed)
+    dense, scaled = net.layers
+    preactivation = (x @ dense.kernel + dense.bias).numpy().ravel()
+    by_dense = records[capture.specs[0].name].preactivation_grads.numpy().ravel() / 1.5
+    by_scale = [r.gradients for name, r in records.items() if name != capture.specs[0].name]
+    by_scale = by_scale[0].numpy().ravel() / preactivation
+    assert np.std(by_dense) > 0.3                     # sampled residuals, not zeros
+    np.testing.assert_allclose(by_scale, by_dense, rtol=1e-9)
+
+
 def test_sparse_inputs_give_the_statistics_of_their_dense_values():
     """A Dense on a sparse input (keras.Input(sparse=True)) crashed the capture with a TypeError."""
     rng = np.random.default_rng(6)

@@ -115,14 +115,18 @@ def _multi_replica_context():
     return context if context is not None and context.num_replicas_in_sync > 1 else None
 
 
-def _replica_seed(seed):
-    """The true Fisher's target seed with the replica id folded in: the generator's state is
-    mirrored, so its plain draw would give every replica the same noise for its examples."""
+def _target_seed(seed):
+    """The stateless seed (``int32[2]``) of one step's true-Fisher targets, drawn once from ``seed``
+    (a random one for None) and shared by the Dense/Conv2D path and the generic path, so that both
+    differentiate each example's log-likelihood at the same draw and the cross terms between their
+    blocks (SLANG, full covariance) are the Fisher's. The replica id is folded in: the generator's
+    state is mirrored, so its plain draw would give every replica the same noise for its examples."""
+    stateless = (_losses._stateless_seed(seed) if seed is not None
+                 else tf.random.uniform([2], maxval=tf.int32.max, dtype=tf.int32))
     context = _multi_replica_context()
-    if seed is None or context is None:
-        return seed
-    return tf.random.experimental.stateless_fold_in(_losses._stateless_seed(seed),
-                                                    context.replica_id_in_sync_group)
+    if context is None:
+        return stateless
+    return tf.random.experimental.stateless_fold_in(stateless, context.replica_id_in_sync_group)
 
 
 def _example_weights(sample_weight):
@@ -234,12 +238,12 @@ def _single_likelihood(loss_fn, purpose, alternative):
 
 
 def _sampled_targets(likelihood, output, seed):
-    """Targets drawn from the predictive ``likelihood`` of ``output`` (the true Fisher's), with this
-    replica's stream of ``seed``. Non-finite outputs (a diverging step) would make the sampler return
+    """Targets drawn from the predictive ``likelihood`` of ``output`` (the true Fisher's) with the
+    stateless ``seed`` of :func:`_target_seed`. Non-finite outputs (a diverging step) would make the sampler return
     invalid targets: they are drawn from a finite stand-in (the statistics are non-finite anyway and
     get skipped)."""
     finite = tf.where(tf.math.is_finite(output), output, tf.zeros_like(output))
-    return tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite), seed=_replica_seed(seed)))
+    return tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite), seed=seed))
 
 
 def _true_fisher_likelihood(loss_fn):
@@ -357,10 +361,11 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
         example_scale = (_power_of_two_near(loss_scale / batch) if adaptive
                          else tf.ones((), loss.dtype))
         fisher_ll = None
+        target_seed = _target_seed(seed) if requirements.fisher == "true" else None
         if requirements.fisher == "true" and capture.specs:
             likelihood = _true_fisher_likelihood(loss_fn)
             output = _losses.single_output(y_pred, "The true Fisher")
-            targets = _sampled_targets(likelihood, output, seed)
+            targets = _sampled_targets(likelihood, output, target_seed)
             log_probs = likelihood.log_prob(targets, output)
             if weights is not None:
                 log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
@@ -402,7 +407,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     if generic:
         generic_records = _generic_records(net, loss_fn, x, y, generic, due, weights, example_scale,
                                            taken=list(records), fisher=requirements.fisher,
-                                           seed=seed)
+                                           seed=target_seed)
         scaled_statistics += [r.gradients for r in generic_records.values()]
         records.update(generic_records)
     if adaptive and scaled_statistics:
@@ -509,7 +514,8 @@ def _generic_records(net, loss_fn, x, y, variables, due, weights, example_scale,
 
     The passes run in inference mode (per_example_gradients), so the true Fisher's targets are
     sampled from the inference-mode outputs (the training pass's differ under dropout or batch
-    statistics); the empirical Fisher differentiates minus the training loss of each example (for
+    statistics), with the stateless ``seed`` the Dense/Conv2D path uses: where the two passes agree,
+    both paths differentiate the same targets. The empirical Fisher differentiates minus the training loss of each example (for
     a learned noise precision, eq. 23, not the Student-t predictive), as the Dense/Conv2D path does.
     """
     likelihood = _single_likelihood(
