@@ -79,6 +79,21 @@ def test_generic_path_equals_a_loop_over_single_examples(name, method):
     np.testing.assert_allclose(flat, np.concatenate([e.reshape(B, -1) for e in expected], axis=1))
 
 
+@pytest.mark.parametrize("method", per_example.METHODS)
+def test_a_variable_the_loss_does_not_reach_gets_zero_gradients(method):
+    """vectorized_map asked TensorFlow for zeros of unconnected Keras variables, which failed
+    ("'str' object has no attribute '_type_enum'") for a BayesianModel subclass's own variable."""
+    model = dense_model()
+    x, y = batch(model)
+    unused = keras.Variable(np.ones((2, 3)), dtype=F64, name="unused")
+    got = per_example.per_example_gradients(model, keras.losses.mean_squared_error, x, y,
+                                            variables=[model.trainable_variables[0], unused],
+                                            method=method)
+    np.testing.assert_allclose(got[0].numpy(), loop_gradients(model, x, y)[0], rtol=1e-10)
+    assert got[1].dtype == tf.float64
+    np.testing.assert_array_equal(got[1].numpy(), np.zeros((B, 2, 3)))
+
+
 def test_auto_falls_back_to_the_jacobian_when_vectorized_map_fails(monkeypatch):
     keras.utils.set_random_seed(2)
     model = dense_model()

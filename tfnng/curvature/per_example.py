@@ -101,8 +101,10 @@ def _vectorized_gradients(model, loss_fn, x, y, variables, training):
         xi, yi = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), example)
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(loss_fn(yi, model(xi, training=training)))
-        grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [tf.convert_to_tensor(g) for g in grads]
+        # Zeros for a variable the loss does not reach, made here: TensorFlow's own
+        # (UnconnectedGradients.ZERO) read a Keras variable's dtype name as a DType and failed.
+        return [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+                for g, v in zip(tape.gradient(loss, variables), variables)]
 
     return tf.vectorized_map(single_example, (x, y), fallback_to_while_loop=True)
 
