@@ -526,19 +526,25 @@ class PReLUNet(keras.Model):
         return self.head(self.hidden(x))
 
 
-def test_variables_created_by_the_first_forward_pass_are_trained_or_get_a_clear_error():
-    """A Keras layer as a Dense activation creates its variable when the Dense first runs. The
-    forward pass traced at compile creates it before the curvature optimizer is built (Keras's
-    "Unknown variable" error, which advised a new optimizer, stopped the first step). A net built
-    layer by layer, whose input shape compile does not know, gets an error that names the variable,
-    and its advice works."""
-    x, y = classification_data(n=16)
+class NoisyHeadModel(tfnng.BayesianModel):
+    """A BayesianModel whose own ``call`` adds a layer (a learned noise precision) after the net."""
 
-    def fit_prelu_net(net, call_first=False):
-        if call_first:
-            net(x[:1])
-        return fit(net, tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=len(x)), x, y,
-                   epochs=1)
+    def __init__(self, net, **kwargs):
+        super().__init__(net, **kwargs)
+        self.noise = tfnng.layers.NoisePrecision(num_examples=16, name="noise")
+
+    def call(self, inputs, training=None):
+        return self.noise(self.net(inputs, training=training))
+
+
+def test_variables_created_by_the_first_forward_pass_are_trained_or_get_a_clear_error():
+    """A Keras layer as a Dense activation creates its variable when the Dense first runs, a layer
+    a BayesianModel subclass adds in its own ``call`` when the wrapper first runs. The first step
+    runs the model's forward pass before the curvature optimizer is built (Keras's "Unknown
+    variable" error, which advised a new optimizer, stopped the first step; later the wrapper's
+    own layers still did, and the error's advice to call the net did not help). An optimizer built
+    before the first step gets an error that names the variable, and its advice works."""
+    x, y = classification_data(n=16)
 
     def sequential():
         return keras.Sequential([keras.Input((6,)),
@@ -552,12 +558,32 @@ def test_variables_created_by_the_first_forward_pass_are_trained_or_get_a_clear_
         net.built = True
         return net
 
-    with pytest.raises(ValueError, match=r"VOGN was built .* without .*p_re_lu.*/alpha: created by "
-                                         r"the net's first forward pass"):
-        fit_prelu_net(subclassed())
-    for net, call_first in [(subclassed(), True), (sequential(), False)]:
-        model, history = fit_prelu_net(net, call_first)
+    for net in (subclassed(), sequential()):
+        model, history = fit(net, tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=len(x)),
+                             x, y, epochs=1)
         assert len(model.optimizer._trainable_variables) == 5 and np.isfinite(history["loss"]).all()
+    regression = x[:, :1] - x[:, 1:2]
+    for make in (tfnng.optimizers.VOGN, tfnng.optimizers.NoisyKFAC):
+        model = NoisyHeadModel(keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)]),
+                               name=f"noisy_head_{make.__name__}")
+        model.compile(optimizer=make(learning_rate=0.05, num_examples=len(x)),
+                      loss=tfnng.losses.GaussianNLL("learned"))
+        history = model.fit(x, regression, batch_size=8, epochs=1, verbose=0).history
+        assert len(model.optimizer._trainable_variables) == 3 and np.isfinite(history["loss"]).all()
+
+    model = tfnng.BayesianModel(subclassed())
+    model.compile(optimizer=tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=len(x)),
+                  loss=tfnng.losses.CategoricalNLL())
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match=r"VOGN was built .* without .*p_re_lu.*/alpha: created by "
+                                         r"the model's first forward pass.*`model\(x\[:1\]\)`"):
+        model.fit(x, y, verbose=0)
+    model = tfnng.BayesianModel(subclassed())
+    model(x[:1])
+    model.compile(optimizer=tfnng.optimizers.VOGN(learning_rate=0.05, num_examples=len(x)),
+                  loss=tfnng.losses.CategoricalNLL())
+    model.optimizer.build(model.trainable_variables)
+    assert np.isfinite(model.fit(x, y, verbose=0).history["loss"]).all()
 
 
 @pytest.mark.parametrize("make_optimizer", [

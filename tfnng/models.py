@@ -483,8 +483,9 @@ def _require_known_variables(optimizer, variables):
     if unknown:
         raise ValueError(
             f"{type(optimizer).__name__} was built for the net's variables before this step, "
-            f"without {', '.join(unknown)}: created by the net's first forward pass (a Keras layer "
-            "used as an activation, say; call the net on a batch, `net(x[:1])`, before compiling), "
+            f"without {', '.join(unknown)}: created by the model's first forward pass (a Keras "
+            "layer used as an activation, say; call the model on a batch, `model(x[:1])`, before "
+            "compiling), "
             "or made trainable after the optimizer was built (compile with a new optimizer).")
 
 
@@ -739,10 +740,11 @@ class BayesianModel(keras.Model):
             grads = tape.gradient(scaled_nll, self.trainable_variables)
             optimizer.apply_gradients(zip(grads, self.trainable_variables))
         else:
-            if not self.net.built:
+            if not self.net.built or not optimizer.built:
                 # Keras defers building to the first trace of the train step; the captured layers
-                # and the optimizer's state need the net's variables first.
-                self.net(x, training=False)
+                # and the optimizer's state need the variables a forward pass creates first (an
+                # unbuilt net's, those of layers a subclass's `call` adds). Traced once, unused.
+                self(x, training=False)
             if not self.built:
                 # Keras records the input shapes of `build` for saving (and for save_weights, which
                 # needs a built model).
