@@ -488,6 +488,29 @@ def test_sparse_inputs_give_the_statistics_of_their_dense_values():
         np.testing.assert_allclose(from_sparse, from_dense, rtol=1e-12)
 
 
+def test_integer_inputs_train_as_their_values():
+    """A Dense on integer inputs (word counts, keras.Input(dtype="int32")) crashed VOGN's
+    non-finite guard with a TypeError (int input norms added to float ones)."""
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 3, size=(8, 4))
+    y = rng.normal(size=(8, 1))
+    stddevs = []
+    for x, dtype in ((counts.astype("float64"), F64), (counts.astype("int32"), "int32")):
+        keras.utils.set_random_seed(7)
+        net = keras.Sequential([keras.Input((4,), dtype=dtype),
+                                keras.layers.Dense(3, activation="tanh", dtype=F64),
+                                keras.layers.Dense(1, dtype=F64)])
+        model = tfnng.BayesianModel(net)
+        optimizer = tfnng.optimizers.VOGN(learning_rate=0.01, num_examples=8, seed=0)
+        model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(1.0, dtype=F64))
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        stddevs.append([optimizer.posterior_stddev(v).numpy() for v in net.trainable_variables])
+    prior = np.sqrt(optimizer.prior_variance)
+    assert all(np.all(s < 0.99 * prior) for s in stddevs[0])     # the data moved every variance
+    for from_floats, from_integers in zip(*stddevs):
+        np.testing.assert_allclose(from_integers, from_floats, rtol=1e-12)
+
+
 @pytest.mark.parametrize("make", [
     lambda: tfnng.optimizers.VOGN(learning_rate=0.1, num_examples=8, seed=0),
     lambda: tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=8, seed=0)])

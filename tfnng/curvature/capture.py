@@ -233,9 +233,12 @@ class _LayerHook:
             zero, self.thread.pending = self.thread.zero, None
         if zero is None:
             raise RuntimeError(f"Could not capture the pre-activations of layer {name!r}.")
-        # The statistics (K-FAC's A, per-example rows) need the input's dense values.
-        records[name] = CapturedLayer(
-            inputs=tf.sparse.to_dense(inputs) if sparse else tf.convert_to_tensor(inputs), zero=zero)
+        # The statistics (K-FAC's A, per-example rows) need the input's dense values, in the
+        # floating dtype the layer computes with (integer counts or codes: bag of words).
+        values = tf.sparse.to_dense(inputs) if sparse else tf.convert_to_tensor(inputs)
+        if not values.dtype.is_floating:
+            values = tf.cast(values, self.layer.compute_dtype)
+        records[name] = CapturedLayer(inputs=values, zero=zero)
         return outputs
 
     def _capturing_activation(self, pre_activation):
