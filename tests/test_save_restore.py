@@ -249,17 +249,27 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
 
 
 @pytest.mark.parametrize("name", ["noisy_adam", "noisy_kfac_blocktri_mc2", "slang"])
-def test_weights_saved_before_training_restart_a_trained_optimizer(name, tmp_path):
+@pytest.mark.parametrize("saver", ["save_weights", "tf.train.Checkpoint"])
+def test_weights_saved_before_training_restart_a_trained_optimizer(name, saver, tmp_path):
     """Save before the first step, train, load that save, train again: the second run repeats the
     first (the trained posterior, Fisher and factors used to survive the load, with the counters
-    and noise generator restarted, and the second run differed in every mean)."""
+    and noise generator restarted, and the second run differed in every mean; through
+    tf.train.Checkpoint, which restores only what it saved, they survived after the Keras paths
+    were fixed)."""
     make_optimizer, loss_name = CASES[name]
     x, y = dataset(loss_name)
     model = build_model(make_optimizer(len(x)), loss_name, len(x))
-    model.save_weights(tmp_path / "initial.weights.h5")
+    if saver == "save_weights":
+        model.save_weights(tmp_path / "initial.weights.h5")
+    else:
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        path = checkpoint.write(str(tmp_path / "initial"))
     train(model, x, y)
     first_run = [v.numpy() for v in model.optimizer.variables + model.weights]
-    model.load_weights(tmp_path / "initial.weights.h5")
+    if saver == "save_weights":
+        model.load_weights(tmp_path / "initial.weights.h5")
+    else:
+        checkpoint.read(path)
     train(model, x, y)
     for a, b in zip(first_run, model.optimizer.variables + model.weights):
         np.testing.assert_array_equal(b.numpy(), a, err_msg=b.path)

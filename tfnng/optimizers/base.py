@@ -354,10 +354,25 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                        "the learning rate must be finite and >= 0 (a number assigned to "
                        "`learning_rate`, a schedule's or a callable's value).")
 
+    def _restart_built_state(self):
+        """Every variable ``build`` made back to its initializer (the means are copied from the
+        weights at the next step): the state of an optimizer saved before its first step."""
+        for variable in self.variables[self._unbuilt_variable_count:]:
+            variable.assign(self._initializers[id(variable)](variable.shape, variable.dtype))
+        return tf.constant(True)
+
     def _initialize_means_once(self, latch=True):
         """Copy the model's current weights into the posterior means until they are latched: by
         the first update, or by ``sample_weights`` (which overwrites the weights). Posterior access
-        before (``latch=False``) sees the weights of the moment without fixing them as the start."""
+        before (``latch=False``) sees the weights of the moment without fixing them as the start.
+
+        Before that, a state that counts more updates than ``iterations`` restarts (as
+        :meth:`load_own_variables` restarts it): ``tf.train.Checkpoint`` restores only what it
+        saved, so a checkpoint written before the first step brings back the counters and seed but
+        would leave the posterior trained since."""
+        tf.cond(self._update_count > tf.cast(self.iterations, tf.int64), self._restart_built_state,
+                lambda: tf.constant(False))
+
         def initialize():
             for mean, variable in zip(self._means, self._trainable_variables):
                 mean.assign(variable)
@@ -713,9 +728,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             # Saved before its first step; built since (by Keras's loading, or by training): the
             # variables made by __init__ come first, the others restart from their initializers
             # (the means are copied from the restored weights at the next step).
-            for i, variable in enumerate(self.variables):
-                variable.assign(store[str(i)] if i < saved else
-                                self._initializers[id(variable)](variable.shape, variable.dtype))
+            for i in range(saved):
+                self.variables[i].assign(store[str(i)])
+            self._restart_built_state()
             return
         mismatched = [f"{variable.path} {tuple(variable.shape)} (saved: {tuple(store[str(i)].shape)})"
                       for i, variable in enumerate(self.variables)
