@@ -240,6 +240,25 @@ def test_predict_takes_any_batch_size_of_a_sequential_built_by_fit():
         tfnng.predict(model, x[:3, :3], num_samples=2)
 
 
+def test_predict_takes_sparse_inputs_as_their_dense_values():
+    """A model on sparse inputs (bag of words) trains on a SparseTensor; predict failed in
+    tf.convert_to_tensor."""
+    x, y = regression_data(n=16)
+    x = np.where(np.abs(x) > 0.5, x, 0).astype("float32")
+    model = keras.Sequential([keras.Input((4,), sparse=True), keras.layers.Dense(1)])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=16),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    predictive, state = [], model.optimizer._seed_generator.state.numpy()
+    for inputs in (x, tf.sparse.from_dense(x)):
+        model.optimizer._seed_generator.state.assign(state)        # the same weight samples
+        predictive.append(tfnng.predict(model, inputs, num_samples=4))
+    np.testing.assert_array_equal(predictive[1].mean, predictive[0].mean)
+    np.testing.assert_array_equal(predictive[1].epistemic_variance,
+                                  predictive[0].epistemic_variance)
+    assert np.all(predictive[0].epistemic_variance > 0)
+
+
 def test_a_one_output_model_may_list_its_loss_or_name_its_output():
     """``loss=[l]`` or ``{name: l}`` (Keras accepts both for one output) is the likelihood ``l``; an
     output in a one-entry dict is the output (predict said "several outputs", and
