@@ -526,6 +526,7 @@ class PReLUNet(keras.Model):
         return self.head(self.hidden(x))
 
 
+@keras.saving.register_keras_serializable(package="tests")
 class NoisyHeadModel(tfnng.BayesianModel):
     """A BayesianModel whose own ``call`` adds a layer (a learned noise precision) after the net."""
 
@@ -584,6 +585,82 @@ def test_variables_created_by_the_first_forward_pass_are_trained_or_get_a_clear_
                   loss=tfnng.losses.CategoricalNLL())
     model.optimizer.build(model.trainable_variables)
     assert np.isfinite(model.fit(x, y, verbose=0).history["loss"]).all()
+
+
+class TemperedModel(tfnng.BayesianModel):
+    """A BayesianModel whose own ``build`` adds a weight (an output scale) that its ``call`` uses."""
+
+    def build(self, input_shape=None):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+        super().build(input_shape)
+
+    def call(self, inputs, training=None):
+        return self.net(inputs, training=training) * self.scale
+
+
+class HeadOnFrozenNetModel(tfnng.BayesianModel):
+    """A frozen feature extractor (the net) under a trainable head the subclass holds."""
+
+    def __init__(self, net, **kwargs):
+        super().__init__(net, **kwargs)
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, inputs, training=None):
+        return self.head(self.net(inputs, training=training))
+
+
+@pytest.mark.parametrize("make", [tfnng.optimizers.NoisyAdam, tfnng.optimizers.VOGN,
+                                  tfnng.optimizers.NoisyKFAC])
+def test_subclasses_with_weights_of_their_own_train_save_and_load(make, tmp_path):
+    """Weights a subclass adds (in its build, or by a layer its call adds) are trained and saved
+    with the net's, also when the net was built before: the subclass's build was skipped (an
+    AttributeError in the first step), a frozen net under a trainable head was refused ("no
+    trainable weights"), and load_model built the optimizer before the head's variables existed
+    ("the saved optimizer state has 16 variables, this optimizer has 14")."""
+    x, y = classification_data(n=16)
+    y = (x[:, :1] - x[:, 1:2]).astype("float32")
+
+    def dense_net(name):
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, activation="tanh")],
+                                name=name)
+
+    frozen = dense_net("frozen")
+    frozen.trainable = False
+    for model, own in [(TemperedModel(dense_net("tempered_net"), name="tempered"), "scale"),
+                       (HeadOnFrozenNetModel(frozen, name="head_on_frozen"), "head/kernel"),
+                       (NoisyHeadModel(dense_net("noisy_head_net"), name="noisy_head"),
+                        "noise/log_parameters")]:
+        model.compile(optimizer=make(learning_rate=0.01, num_examples=len(x)),
+                      loss=tfnng.losses.GaussianNLL("learned" if own.startswith("noise") else 1.0))
+        targets = y if own.startswith("head") else np.tile(y, 3)     # the net's width is 3
+        history = model.fit(x, targets, batch_size=8, epochs=1, verbose=0).history
+        paths = [v.path for v in model.optimizer._trainable_variables]
+        assert any(path.endswith(own) for path in paths), paths
+        assert np.isfinite(history["loss"]).all()
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    for a, b in zip(model.optimizer.variables + model.weights,
+                    loaded.optimizer.variables + loaded.weights):
+        np.testing.assert_array_equal(b.numpy(), a.numpy(), err_msg=a.path)
+
+
+def test_a_net_that_overrides_compute_loss_is_refused():
+    """BayesianModel trains on its own compiled loss: the net's extra term was dropped silently."""
+
+    class NetWithATerm(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return super().compute_loss(x, y, y_pred, sample_weight, training) + 1.0
+
+    with pytest.raises(ValueError, match="'with_a_term' overrides compute_loss.*BayesianModel "
+                                         "subclass's compute_loss"):
+        tfnng.BayesianModel(NetWithATerm(name="with_a_term"))
 
 
 @pytest.mark.parametrize("make_optimizer", [

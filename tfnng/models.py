@@ -65,6 +65,7 @@ import numbers
 
 import keras
 import tensorflow as tf
+from keras.src.backend import compute_output_spec
 from keras.src.trainers import data_adapters
 
 from tfnng import _markers
@@ -589,6 +590,12 @@ class BayesianModel(keras.Model):
         super().__init__(**kwargs)
         if not isinstance(net, keras.Model):
             raise TypeError(f"BayesianModel wraps a keras.Model, got {type(net).__name__}.")
+        if type(net).compute_loss is not keras.Model.compute_loss:
+            raise ValueError(
+                f"The net {net.name!r} overrides compute_loss, which BayesianModel does not call "
+                "(it trains on its own compiled loss and the net's add_loss terms). Move the extra "
+                "term into a BayesianModel subclass's compute_loss, or add it in the net with "
+                "add_loss.")
         self.net = net
         self._nll_tracker = keras.metrics.Mean(name="nll")
         self._kl_tracker = keras.metrics.Mean(name="kl")
@@ -599,8 +606,13 @@ class BayesianModel(keras.Model):
         # is saved (.keras, .weights.h5, tf.train.Checkpoint) and resumed training draws the same
         # targets as uninterrupted training.
         self._fisher_seed_state = self._fisher_seed.state
-        if net.built:
-            self.built = True
+        if net.built and not self._extends_the_forward_pass():
+            self.built = True      # a subclass's build (and its own layers) run as in Keras
+
+    @classmethod
+    def _extends_the_forward_pass(cls):
+        """Whether a subclass overrides ``call`` or ``build`` (layers or weights of its own)."""
+        return cls.call is not BayesianModel.call or cls.build is not BayesianModel.build
 
     def call(self, inputs, training=None):
         return self.net(inputs, training=training)
@@ -609,6 +621,18 @@ class BayesianModel(keras.Model):
         if not self.net.built and input_shape is not None:
             self.net.build(input_shape)
         self.built = True
+        if self.net.built and type(self).call is not BayesianModel.call:
+            # Layers a subclass's `call` adds (a learned noise precision head) get their variables
+            # from a symbolic forward pass, before an optimizer is built for the model's variables
+            # (keras.models.load_model builds, then compiles). If it cannot be traced from the
+            # shapes, the first batch builds them (train_step runs the forward pass first).
+            specs = _input_specs(self.net)
+            if specs is not None:
+                try:
+                    compute_output_spec(self.call, tf.nest.map_structure(
+                        lambda spec: keras.KerasTensor(spec.shape, spec.dtype), specs))
+                except Exception:    # noqa: BLE001 -- the real forward pass reports it
+                    pass
         if self.net.built and getattr(self, "optimizer", None) is not None:
             # Keras may build the optimizer right after the model, outside train_step (under a
             # distribution strategy): it needs its layers first.
@@ -785,9 +809,10 @@ class BayesianModel(keras.Model):
     def _require_trainable_variables(self):
         """A clear error for a net without trainable weights (Keras's own step would warn and skip
         the update; here the curvature steps failed on an empty list)."""
-        if not self.net.trainable_variables:
-            raise ValueError(f"BayesianModel: the net {self.net.name!r} has no trainable weights, "
-                             "so there is no posterior to fit (are all its layers frozen?).")
+        if not self.trainable_variables:
+            raise ValueError(f"BayesianModel {self.name!r} has no trainable weights, so there is no "
+                             f"posterior to fit (are all the layers of its net {self.net.name!r} "
+                             "frozen?).")
 
     def make_test_function(self, force=False):
         """Keras's, retraced once the optimizer has a posterior if the cached test step was traced
