@@ -190,8 +190,9 @@ def test_keras_file_and_tf_checkpoint_round_trips(make_optimizer, loss_name, tmp
 def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_path):
     """Keras matches optimizer variables by count and, on a mismatch, only warns and skips them:
     the posterior would restart from the weight sample. tfnng raises instead (optimizer not built
-    before ``load_weights``; a layer frozen, or a variable marked, outside what was saved), and a
-    model saved before its first step resumes exactly (counters and noise generator restored)."""
+    before ``load_weights``; a layer frozen, or a variable marked, outside what was saved; the state
+    of another tfnng optimizer with the same shapes, which loaded silently), and a model saved
+    before its first step resumes exactly (counters and noise generator restored)."""
     make = lambda n: opt.NoisyAdam(1e-2, num_examples=n, seed=1)
     model, x, y = trained(make, "gaussian_fixed")
     model.save_weights(tmp_path / "m.weights.h5")
@@ -224,6 +225,18 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     fresh.load_weights(tmp_path / "adam.weights.h5", skip_mismatch=True)   # the advice works
     for loaded, saved in zip(fresh.get_weights(), pretrained.get_weights()):
         np.testing.assert_array_equal(loaded, saved)
+
+    vadam = build_model(opt.Vadam(1e-2, num_examples=len(x), seed=1), "gaussian_fixed", len(x))
+    train(vadam, x, y)                           # the same count and shapes of variables as IVON's
+    vadam.save_weights(tmp_path / "vadam.weights.h5")
+    ivon = build_model(opt.IVON(1e-2, num_examples=len(x), seed=1), "gaussian_fixed", len(x))
+    train(ivon, x, y)
+    assert [v.shape for v in ivon.optimizer.variables] == [v.shape for v in vadam.optimizer.variables]
+    state = [v.numpy() for v in ivon.optimizer.variables]
+    with pytest.raises(ValueError, match="saved optimizer state is Vadam's, this optimizer is IVON"):
+        ivon.load_weights(tmp_path / "vadam.weights.h5")
+    for variable, value in zip(ivon.optimizer.variables, state):
+        np.testing.assert_array_equal(variable, value)
 
     wider = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Dense(5, activation="tanh"),
                               keras.layers.BatchNormalization(), keras.layers.Dense(1)])

@@ -701,14 +701,39 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             for i, value in zip(indices, saved):
                 self._trainable_variables[i].assign(value)
 
+    _STATE_KIND_KEY = "tfnng_optimizer"
+
+    def _state_kind(self):
+        """The tfnng optimizer whose state this is (a user's subclass keeps its tfnng parent's)."""
+        return next(cls.__name__ for cls in type(self).__mro__
+                    if cls.__module__.startswith("tfnng."))
+
+    def save_own_variables(self, store):
+        """Keras's (the variables by number), and the name of the tfnng optimizer: the states of
+        two optimizers can have the same count and shapes of variables (Vadam's and IVON's)."""
+        super().save_own_variables(store)
+        store[self._STATE_KIND_KEY] = np.frombuffer(self._state_kind().encode(), np.uint8)
+
     def load_own_variables(self, store):
         """Restore the state Keras saved (``model.save``, ``save_weights``, checkpoints callbacks).
 
         Keras matches optimizer variables by count alone and, on a mismatch, warns and skips them
         all. Here a saved posterior that does not fit raises instead: skipped, the model would keep
-        one weight sample and a posterior restarted from it, silently.
+        one weight sample and a posterior restarted from it, silently. So does the state of another
+        tfnng optimizer (files saved before the optimizer's name was saved are taken as they are).
         """
-        saved = len(store.keys())
+        keys = list(store.keys())
+        if self._STATE_KIND_KEY in keys:
+            keys.remove(self._STATE_KIND_KEY)
+            kind = bytes(np.asarray(store[self._STATE_KIND_KEY], np.uint8)).decode()
+            if kind != self._state_kind():
+                raise ValueError(
+                    f"The saved optimizer state is {kind}'s, this optimizer is "
+                    f"{self._state_kind()}: its posterior and averages mean other things. The "
+                    "model's weights are loaded already; `load_weights(..., skip_mismatch=True)` "
+                    "skips the optimizer state quietly, or load the weights before compiling with "
+                    f"{self._state_kind()}.")
+        saved = len(keys)
         if saved != len(self.variables) and saved > self._unbuilt_variable_count:
             raise ValueError(
                 f"{type(self).__name__}: the saved optimizer state has {saved} variables, this "
@@ -741,7 +766,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 f"{type(self).__name__}: the saved optimizer state does not fit this model's: "
                 f"{'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}. Was it saved "
                 "from a model with other layer sizes?")
-        super().load_own_variables(store)
+        for i, variable in enumerate(self.variables):
+            variable.assign(store[str(i)])
 
     def get_config(self):
         config = super().get_config()
