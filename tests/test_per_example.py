@@ -121,6 +121,13 @@ def test_the_jacobian_method_needs_per_example_losses():
     summed = keras.losses.MeanSquaredError(reduction="sum", dtype=F64)
     with pytest.raises(ValueError, match="needs the loss of each example.*one scalar"):
         per_example.per_example_gradients(model, summed, x, y, method="jacobian")
+    # "auto" takes the Jacobian for a grouped convolution: the message says so (it named
+    # method='jacobian', which the caller had not chosen).
+    grouped = grouped_conv_model()
+    gx, gy = batch(grouped)
+    with pytest.raises(ValueError, match=r"method='auto' takes the Jacobian for a model with a "
+                                         r"recurrent layer, a grouped convolution.*reduction='none'"):
+        per_example.per_example_gradients(grouped, summed, gx, gy)
     for g, e in zip(per_example.per_example_gradients(model, summed, x, y, method="vectorized_map"),
                     loop_gradients(model, x, y)):
         np.testing.assert_allclose(g.numpy(), e, rtol=1e-10, atol=1e-12)

@@ -75,14 +75,21 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
     variables = list(model.trainable_variables if variables is None else variables)
-    if method == "jacobian" or (method == "auto" and _fails_when_vectorized(model)):
+    if method == "jacobian":
         return _jacobian_gradients(model, loss_fn, x, y, variables, training)
+    if method == "auto" and _fails_when_vectorized(model):
+        return _jacobian_gradients(model, loss_fn, x, y, variables, training,
+                                   why="method='auto' takes the Jacobian for a model with a "
+                                       "recurrent layer, a grouped convolution or a "
+                                       "TextVectorization, and")
     try:
         return _vectorized_gradients(model, loss_fn, x, y, variables, training)
     except (ValueError, TypeError, NotImplementedError, tf.errors.OpError):
         if method == "vectorized_map":
             raise
-    return _jacobian_gradients(model, loss_fn, x, y, variables, training)
+    return _jacobian_gradients(model, loss_fn, x, y, variables, training,
+                               why="method='auto' fell back to the Jacobian (vectorized_map "
+                                   "failed for this model), which")
 
 
 def _fails_when_vectorized(model):
@@ -109,15 +116,16 @@ def _vectorized_gradients(model, loss_fn, x, y, variables, training):
     return tf.vectorized_map(single_example, (x, y), fallback_to_while_loop=True)
 
 
-def _jacobian_gradients(model, loss_fn, x, y, variables, training):
+def _jacobian_gradients(model, loss_fn, x, y, variables, training,
+                        why="per_example_gradients(method='jacobian')"):
     # Eagerly, a while-loop Jacobian replays the tape once per example: it must be persistent.
     with tf.GradientTape(persistent=tf.executing_eagerly()) as tape:
         losses = loss_fn(y, model(x, training=training))
         if losses.shape.rank == 0:
             raise ValueError(
-                "per_example_gradients(method='jacobian') needs the loss of each example (a loss "
-                "with reduction='none'); `loss_fn` returned one scalar, a sum or mean over the "
-                "batch, which does not split by example.")
+                f"{why} needs the loss of each example (a loss with reduction='none'); `loss_fn` "
+                "returned one scalar, a sum or mean over the batch, which does not split by "
+                "example.")
         losses = tf.reshape(losses, [tf.shape(losses)[0], -1])
         losses = tf.reduce_sum(losses, axis=1)
     jacobians = tape.jacobian(losses, variables, experimental_use_pfor=False)
