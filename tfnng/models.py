@@ -533,7 +533,7 @@ def _generic_records(net, loss_fn, x, y, variables, due, weights, example_scale,
         return log_probs * tf.cast(example_scale, log_probs.dtype)
 
     def compute():
-        targets = y
+        targets = _losses.single_target(y)       # {"output": y} for a named output
         if fisher == "true":
             targets = _sampled_targets(
                 likelihood, _losses.single_output(net(x, training=False), "The true Fisher"), seed)
@@ -764,10 +764,13 @@ class BayesianModel(keras.Model):
             grads = tape.gradient(scaled_nll, self.trainable_variables)
             optimizer.apply_gradients(zip(grads, self.trainable_variables))
         else:
-            if not self.net.built or not optimizer.built:
-                # Keras defers building to the first trace of the train step; the captured layers
-                # and the optimizer's state need the variables a forward pass creates first (an
-                # unbuilt net's, those of layers a subclass's `call` adds). Traced once, unused.
+            # Keras defers building to the first trace of the train step; the captured layers and
+            # the optimizer's state need the variables a forward pass creates first (an unbuilt
+            # net's, by its own call on the batch; those of layers a subclass's `call` adds).
+            # Traced once, unused.
+            if not self.net.built:
+                self.net(x, training=False)
+            if not optimizer.built:
                 self(x, training=False)
             if not self.built:
                 # Keras records the input shapes of `build` for saving (and for save_weights, which
