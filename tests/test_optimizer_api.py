@@ -262,7 +262,8 @@ def test_predict_takes_sparse_inputs_as_their_dense_values():
 def test_a_one_output_model_may_list_its_loss_or_name_its_output():
     """``loss=[l]`` or ``{name: l}`` (Keras accepts both for one output) is the likelihood ``l``; an
     output in a one-entry dict is the output (predict said "several outputs", and
-    PredictiveValidation failed in a TensorFlow conversion)."""
+    PredictiveValidation failed in a TensorFlow conversion), and so are its targets named the same
+    way (PredictiveValidation said "`y` has 0 targets")."""
     x, y = regression_data(n=16)
     likelihood = tfnng.losses.GaussianNLL(noise_variance=0.1)
     predictive = {}
@@ -273,12 +274,18 @@ def test_a_one_output_model_may_list_its_loss_or_name_its_output():
         outputs = keras.layers.Dense(1, name="out")(inputs)
         model = keras.Model(inputs, {"out": outputs} if name == "dict output" else outputs)
         model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=16, seed=0), loss=loss)
-        validation = tfnng.callbacks.PredictiveValidation(x, y, num_samples=2)
-        model.fit(x, y, epochs=1, verbose=0, callbacks=[validation])
+        targets = {"out": y} if name == "dict output" else y      # as Keras's fit takes them
+        validation = tfnng.callbacks.PredictiveValidation(x, targets, num_samples=2)
+        model.fit(x, targets, epochs=1, verbose=0, callbacks=[validation])
         predictive[name] = tfnng.predict(model, x, num_samples=2)
+        assert np.isfinite(validation.model.history.history["val_pred_nll"]).all()
     for name in ("list", "dict", "dict output"):
         assert predictive[name].likelihood is likelihood
         np.testing.assert_array_equal(predictive[name].mean, predictive["bare"].mean)
+    np.testing.assert_array_equal(predictive["dict output"].log_likelihood({"out": y}),
+                                  predictive["dict output"].log_likelihood(y))
+    with pytest.raises(ValueError, match="one array of targets, got a dict of 2"):
+        predictive["dict output"].log_likelihood({"out": y, "other": y})
     with pytest.raises(TypeError, match=r"likelihood instance, e.g. `GaussianNLL\(\)`"):
         tfnng.predict(model, x, num_samples=2, likelihood=tfnng.losses.GaussianNLL)
 

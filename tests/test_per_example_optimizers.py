@@ -513,28 +513,33 @@ def test_integer_inputs_train_as_their_values():
 
 @pytest.mark.parametrize("make", [
     lambda: tfnng.optimizers.VOGN(learning_rate=0.1, num_examples=8, seed=0),
-    lambda: tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=8, seed=0)])
-def test_a_one_output_model_may_list_its_likelihood_for_the_true_fisher(make):
+    lambda: tfnng.optimizers.VOGN(learning_rate=0.1, num_examples=8, seed=0, fisher="empirical"),
+    lambda: tfnng.optimizers.NoisyKFAC(learning_rate=0.1, num_examples=8, seed=0)],
+    ids=["VOGN", "VOGN-empirical", "NoisyKFAC"])
+def test_a_one_output_model_may_list_its_likelihood_or_name_its_output(make):
     """``loss=[l]`` (Keras accepts it for one output) trains exactly as ``loss=l``, also where the
     generic path scores each example (the LayerNormalization); so does an output named in a
-    one-entry dict (the true Fisher's sampler failed on the dict: "Expected any non-tensor type")."""
+    one-entry dict (the true Fisher's sampler failed on the dict: "Expected any non-tensor type"),
+    with its targets named too (the generic path's empirical Fisher failed on them alike)."""
     x = np.random.default_rng(8).normal(size=(8, 2)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
     likelihood = tfnng.losses.CategoricalNLL()
     means = {}
     for name, loss in [("bare", likelihood), ("list", [likelihood]),
-                       ("dict output", {"out": likelihood})]:
+                       ("dict output", {"out": likelihood}),
+                       ("dict output and targets", {"out": likelihood})]:
         keras.utils.set_random_seed(0)
         inputs = keras.Input((2,))
         hidden = keras.layers.LayerNormalization()(keras.layers.Dense(3, activation="tanh")(inputs))
         outputs = keras.layers.Dense(2, name="out")(hidden)
-        net = keras.Model(inputs, {"out": outputs} if name == "dict output" else outputs)
+        net = keras.Model(inputs, {"out": outputs} if name.startswith("dict") else outputs)
         model = tfnng.BayesianModel(net)
         optimizer = make()
         model.compile(optimizer=optimizer, loss=loss)
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        model.fit(x, {"out": y} if name.endswith("targets") else y, batch_size=4, epochs=2,
+                  verbose=0)
         means[name] = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
-    for name in ("list", "dict output"):
+    for name in ("list", "dict output", "dict output and targets"):
         for listed, bare in zip(means[name], means["bare"]):
             np.testing.assert_array_equal(listed, bare)
 

@@ -77,7 +77,7 @@ class PredictiveValidation(keras.callbacks.Callback):
         if x is None or y is None:
             raise ValueError("PredictiveValidation needs validation inputs `x` and targets `y`; got "
                              f"{'x' if x is None else 'y'} = None.")
-        self.x, self.y = x, y
+        self.x, self.y = x, _losses.single_target(y)      # {"output": y} for a named output
         self.num_samples = _positive_int("num_samples", num_samples)
         self.every = _positive_int("every", every)
         self.batch_size = None if batch_size is None else _positive_int("batch_size", batch_size)

@@ -95,6 +95,16 @@ def single_output(output, caller):
     return leaves[0]
 
 
+def single_target(y):
+    """``y``, or the one array of a one-entry dict or list of targets (Keras's ``fit`` takes
+    ``{"output": y}`` for a model whose one output is named); anything else is returned as is."""
+    if isinstance(y, dict) and len(y) == 1:
+        return next(iter(y.values()))
+    if isinstance(y, (list, tuple)) and len(y) == 1 and isinstance(y[0], (np.ndarray, tf.Tensor)):
+        return y[0]
+    return y
+
+
 def require_mean_reduction(loss_name, reduction):
     """Stop with a clear error unless ``reduction`` averages over the batch: tfnng optimizers
     multiply the mean loss by N (a sum would weaken the prior and lengthen the step by the batch

@@ -51,8 +51,13 @@ class Predictive:
 
 
 def _targets(y, caller):
-    """``y`` as an array, refused when it holds NaN or Inf (scored as probability 0, or failing
-    inside the likelihood with a message about its internals)."""
+    """``y`` (or the one array of a one-entry dict or list) as an array, refused when it holds
+    NaN or Inf (scored as probability 0, or failing inside the likelihood with a message about its
+    internals), or when it is a dict of several (one output is scored)."""
+    y = _losses.single_target(y)
+    if isinstance(y, dict):
+        raise ValueError(f"{caller} scores one output: `y` must be one array of targets, got a "
+                         f"dict of {len(y)}.")
     y = np.asarray(y)
     if y.dtype.kind == "f" and not np.isfinite(y).all():
         raise ValueError(f"{caller}: the targets `y` contain NaN or Inf.")
