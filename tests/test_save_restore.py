@@ -225,6 +225,20 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     fresh.load_weights(tmp_path / "adam.weights.h5", skip_mismatch=True)   # the advice works
     for loaded, saved in zip(fresh.get_weights(), pretrained.get_weights()):
         np.testing.assert_array_equal(loaded, saved)
+    # Keras SGD keeps two variables, fewer than a built tfnng optimizer (a KeyError '2'), as many
+    # as an unbuilt one with a schedule (taken for a state saved before the first step, its
+    # learning rate assigned to the noise seed).
+    pretrained.compile(optimizer="sgd", loss="mse")
+    pretrained.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    pretrained.save_weights(tmp_path / "sgd.weights.h5")
+    for optimizer in (make(len(x)), opt.Vadam(decay, num_examples=len(x), seed=1)):
+        fresh = build_model(optimizer, "gaussian_fixed", len(x))
+        train(fresh, x, y)
+        state = [v.numpy() for v in fresh.optimizer.variables]
+        with pytest.raises(ValueError, match="another optimizer's state.*skip_mismatch=True"):
+            fresh.load_weights(tmp_path / "sgd.weights.h5")
+        for variable, value in zip(fresh.optimizer.variables, state):   # nothing half-restored
+            np.testing.assert_array_equal(variable, value)
 
     vadam = build_model(opt.Vadam(1e-2, num_examples=len(x), seed=1), "gaussian_fixed", len(x))
     train(vadam, x, y)                           # the same count and shapes of variables as IVON's

@@ -168,6 +168,12 @@ def _constant(value):
     return lambda shape, dtype: tf.fill(shape, tf.constant(value, dtype))
 
 
+_ANOTHER_OPTIMIZERS_STATE = (
+    "If the file holds another optimizer's state (weights pre-trained with Keras Adam, say): the "
+    "model's weights are loaded already; `load_weights(..., skip_mismatch=True)` skips the "
+    "optimizer state quietly, or load the weights before compiling with the tfnng optimizer.")
+
+
 class NoisyOptimizer(keras.optimizers.Optimizer):
     """Base class of tfnng's Gaussian-posterior optimizers (not used directly).
 
@@ -729,12 +735,14 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             if kind != self._state_kind():
                 raise ValueError(
                     f"The saved optimizer state is {kind}'s, this optimizer is "
-                    f"{self._state_kind()}: its posterior and averages mean other things. The "
-                    "model's weights are loaded already; `load_weights(..., skip_mismatch=True)` "
-                    "skips the optimizer state quietly, or load the weights before compiling with "
-                    f"{self._state_kind()}.")
+                    f"{self._state_kind()}: its posterior and averages mean other things. "
+                    f"{_ANOTHER_OPTIMIZERS_STATE}")
         saved = len(keys)
-        if saved != len(self.variables) and saved > self._unbuilt_variable_count:
+        # Saved before its first step; built since (by Keras's loading, or by training): the
+        # variables made by __init__ come first, the others restart from their initializers (the
+        # means are copied from the restored weights at the next step).
+        restart = saved == self._unbuilt_variable_count < len(self.variables)
+        if saved != len(self.variables) and not restart:
             raise ValueError(
                 f"{type(self).__name__}: the saved optimizer state has {saved} variables, this "
                 f"optimizer has {len(self.variables)}"
@@ -745,29 +753,20 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "(`trainable = False`) after the optimizer was built must be made trainable before "
                 "saving, and variables marked with `tfnng.mark_point_estimate` outside a layer's "
                 "`build` lose the mark on loading (mark them in `build`, as "
-                "`tfnng.layers.NoisePrecision` does). If the file holds another optimizer's state "
-                "(weights pre-trained with Keras Adam, say): the model's weights are loaded "
-                "already; `load_weights(..., skip_mismatch=True)` skips the optimizer state "
-                "quietly, or load the weights before compiling with the tfnng optimizer.")
-        if saved == self._unbuilt_variable_count < len(self.variables):
-            # Saved before its first step; built since (by Keras's loading, or by training): the
-            # variables made by __init__ come first, the others restart from their initializers
-            # (the means are copied from the restored weights at the next step).
-            for i in range(saved):
-                self.variables[i].assign(store[str(i)])
-            self._restart_built_state()
-            return
+                f"`tfnng.layers.NoisePrecision` does). {_ANOTHER_OPTIMIZERS_STATE}")
         mismatched = [f"{variable.path} {tuple(variable.shape)} (saved: {tuple(store[str(i)].shape)})"
-                      for i, variable in enumerate(self.variables)
+                      for i, variable in enumerate(self.variables[:saved])
                       if tuple(store[str(i)].shape) != tuple(variable.shape)]
         if mismatched:
             # Before any assignment: Keras would assign one by one up to the first mismatch.
             raise ValueError(
                 f"{type(self).__name__}: the saved optimizer state does not fit this model's: "
                 f"{'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}. Was it saved "
-                "from a model with other layer sizes?")
-        for i, variable in enumerate(self.variables):
-            variable.assign(store[str(i)])
+                f"from a model with other layer sizes? {_ANOTHER_OPTIMIZERS_STATE}")
+        for i in range(saved):
+            self.variables[i].assign(store[str(i)])
+        if restart:
+            self._restart_built_state()
 
     def get_config(self):
         config = super().get_config()
