@@ -275,15 +275,22 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     assert_same_state(untrained, loaded)
 
 
-@pytest.mark.parametrize("name", ["noisy_adam", "noisy_kfac_blocktri_mc2", "slang"])
+RESTARTED = dict(CASES, noisy_kfac_stats_every_2=(
+    lambda n: opt.NoisyKFAC(1e-2, num_examples=n, stats_every=2, inverse_every=2, seed=1),
+    "categorical"))
+
+
+@pytest.mark.parametrize("name", ["noisy_adam", "noisy_kfac_blocktri_mc2", "slang",
+                                  "noisy_kfac_stats_every_2"])
 @pytest.mark.parametrize("saver", ["save_weights", "tf.train.Checkpoint"])
 def test_weights_saved_before_training_restart_a_trained_optimizer(name, saver, tmp_path):
     """Save before the first step, train, load that save, train again: the second run repeats the
     first (the trained posterior, Fisher and factors used to survive the load, with the counters
     and noise generator restarted, and the second run differed in every mean; through
     tf.train.Checkpoint, which restores only what it saved, they survived after the Keras paths
-    were fixed)."""
-    make_optimizer, loss_name = CASES[name]
+    were fixed, and then K-FAC's first statistics step after the restart read the trained run's
+    update count and averaged zeros into S)."""
+    make_optimizer, loss_name = RESTARTED[name]
     x, y = dataset(loss_name)
     model = build_model(make_optimizer(len(x)), loss_name, len(x))
     if saver == "save_weights":

@@ -360,6 +360,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                        "the learning rate must be finite and >= 0 (a number assigned to "
                        "`learning_rate`, a schedule's or a callable's value).")
 
+    def _restarts(self):
+        """Whether the next step restarts the built state (:meth:`_initialize_means_once`)."""
+        return self._update_count > tf.cast(self.iterations, tf.int64)
+
+    def _updates_done(self):
+        """``update_count`` as the next step sees it (0 when it restarts): read before the step,
+        by ``curvature_due``."""
+        return tf.where(self._restarts(), tf.zeros_like(self._update_count), self._update_count)
+
     def _restart_built_state(self):
         """Every variable ``build`` made back to its initializer (the means are copied from the
         weights at the next step): the state of an optimizer saved before its first step."""
@@ -376,8 +385,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         :meth:`load_own_variables` restarts it): ``tf.train.Checkpoint`` restores only what it
         saved, so a checkpoint written before the first step brings back the counters and seed but
         would leave the posterior trained since."""
-        tf.cond(self._update_count > tf.cast(self.iterations, tf.int64), self._restart_built_state,
-                lambda: tf.constant(False))
+        tf.cond(self._restarts(), self._restart_built_state, lambda: tf.constant(False))
 
         def initialize():
             for mean, variable in zip(self._means, self._trainable_variables):

@@ -198,7 +198,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         """Whether the next ``apply_gradients`` consumes curvature statistics (bool tensor)."""
         if not self.built:
             return tf.constant(True)
-        return tf.equal(self._update_count % self.stats_every, 0)
+        return tf.equal(self._updates_done() % self.stats_every, 0)
 
     # -------------------------------------------------------------------------------- damping
     @property
