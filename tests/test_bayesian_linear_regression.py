@@ -132,3 +132,9 @@ def test_kl_of_float32_posteriors_is_summed_accurately():
     np.testing.assert_allclose(float(kl32), exact, rtol=1e-5)
     np.testing.assert_allclose(float(mixed), exact, rtol=1e-5)
     np.testing.assert_allclose(float(near_prior), 0.5 * 120000 * (1e-3 - np.log1p(1e-3)), rtol=1e-3)
+    # sigma^2 / eta below float32's smallest normal number (sigma 6e-17, eta 1e6): the ratio
+    # flushed to 0 and the KL was +inf, though every variance is a normal float32.
+    tiny = tfnng.posteriors.diagonal.kl_to_isotropic_prior(
+        [tf.zeros(3)], [tf.constant([3.6e-33, 1e-30, 0.5e6], tf.float32)], 1e6)
+    ratios = np.array([3.6e-33, 1e-30, 0.5e6], np.float32).astype(np.float64) / 1e6
+    np.testing.assert_allclose(float(tiny), 0.5 * np.sum(ratios - 1.0 - np.log(ratios)), rtol=1e-6)

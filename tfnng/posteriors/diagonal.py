@@ -5,6 +5,9 @@ eq. 11), Vadam, Vprop, VadaGrad (weight-perturbation paper eq. 14, Fig. 1, sec. 
 Framework-light functions on lists of tensors, unit tested against dense formulas.
 """
 
+import math
+
+import numpy as np
 import tensorflow as tf
 import tensorflow_probability as tfp
 
@@ -24,13 +27,19 @@ def kl_to_isotropic_prior(means, variances, prior_variance):
     two sums are taken in float32, or float64 when its mean or variance is float64, and added in
     float64 (float64 throughout took twice the time of a step's KL for an MLP of 478k weights, which
     ``BayesianModel`` reports at every step). ``r - 1 - log r >= 0`` is summed as such, not as
-    ``sum(r) - D - sum(log r)``, which would lose a small KL to rounding.
+    ``sum(r) - D - sum(log r)``, which would lose a small KL to rounding; ``log r`` is
+    ``log sigma^2 - log eta`` where ``r`` is too small for a normal float.
     """
     total = tf.constant(0.0, tf.float64)
     for mu, variance in zip(means, variances):
         dtype = tf.float64 if tf.float64 in (mu.dtype, variance.dtype) else tf.float32
-        ratio = tf.cast(variance, dtype) * tf.constant(1.0 / prior_variance, dtype)
-        divergence = tf.reduce_sum((ratio - 1.0) - tf.math.log(ratio))
+        variance = tf.cast(variance, dtype)
+        ratio = variance * tf.constant(1.0 / prior_variance, dtype)
+        # A ratio below the smallest normal number flushes to 0 (log 0 = -inf) where the variance
+        # itself does not: its log is then taken as a difference of logs.
+        log_ratio = tf.where(ratio > np.finfo(dtype.as_numpy_dtype).tiny, tf.math.log(ratio),
+                             tf.math.log(variance) - tf.constant(math.log(prior_variance), dtype))
+        divergence = tf.reduce_sum((ratio - 1.0) - log_ratio)
         squared_mean = tf.reduce_sum(tf.square(tf.cast(mu, dtype)))
         total += 0.5 * (tf.cast(divergence, tf.float64) + tf.cast(squared_mean, tf.float64) / prior_variance)
     return total
