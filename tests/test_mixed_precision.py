@@ -278,6 +278,34 @@ def test_noise_precision_keeps_q_tau_in_float32_under_a_mixed_policy(policy):
     assert float(reference.alpha[0]) > 20          # moved from its initial 6
 
 
+def test_float64_layers_under_a_float32_floatx_train_in_float64():
+    """A tfnng loss with its dtype left unset computed a float64 model's loss in float32 (Keras
+    casts to the loss's dtype): the residuals of targets near 1e4 lost 4 digits. A float64
+    NoisePrecision's KL term stopped Keras's sum of the model's losses (a float64 tensor among
+    float32 ones)."""
+    assert keras.config.floatx() == "float32"
+    rng = np.random.default_rng(5)
+    y = tf.constant(1e4 + rng.normal(size=(8, 1)))
+    y_pred = tf.constant(y.numpy() + 1e-3 * rng.normal(size=(8, 1)))
+    for likelihood in (tfnng.losses.GaussianNLL(), tfnng.losses.GaussianNLL(dtype="float64")):
+        with tf.GradientTape() as tape:
+            tape.watch(y_pred)
+            loss = likelihood(y, y_pred)
+        assert loss.dtype == tf.float64
+        np.testing.assert_allclose(tape.gradient(loss, y_pred).numpy(), (y_pred - y).numpy() / 8,
+                                   rtol=1e-9)
+    assert tfnng.losses.GaussianNLL().get_config()["dtype"] is None     # still follows when loaded
+    np.testing.assert_allclose(float(tfnng.losses.GaussianNLL()(y, tf.cast(y_pred, "float32"))),
+                               float(tfnng.losses.GaussianNLL(dtype="float32")(y, y_pred)))
+    x = rng.normal(size=(16, 2))
+    net = keras.Sequential([keras.Input((2,), dtype="float64"), keras.layers.Dense(1, dtype="float64"),
+                            tfnng.layers.NoisePrecision(16, dtype="float64")])
+    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=16),
+                loss=tfnng.losses.GaussianNLL("learned"))
+    history = net.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_variables_are_refused(dtype):
     """Variables stored in half precision (a non-mixed policy): bfloat16(0.999) == 1, so Vadam's

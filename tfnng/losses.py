@@ -133,13 +133,27 @@ class LikelihoodLoss(keras.losses.Loss):
         if reduction not in ("none", None):     # per-example losses, for custom loops
             require_mean_reduction(type(self).__name__, reduction)
         super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self._follows_output = dtype is None
         if self.dtype in ("float16", "bfloat16"):
             # Keras casts y_true and y_pred to this dtype before ``call``: class ids above 2048
             # (float16) or 256 (bfloat16) and large regression targets would be rounded silently.
             raise ValueError(
                 f"{type(self).__name__} computes in float32 or float64: dtype {dtype!r} would round "
                 "the targets (class ids, regression values) before the loss sees them. Leave the "
-                "loss's dtype unset (float32, also under a mixed precision policy).")
+                "loss's dtype unset (it then computes in float32 for a half-precision output).")
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """Keras's (inputs cast to the loss's dtype, ``call``, the weighted mean). With the dtype
+        left unset, the loss computes in the wider of the output's precision and ``floatx`` (at
+        least float32): a float64 model's loss and gradients stay float64 under a float32
+        ``floatx``, and a half-precision output is scored in float32."""
+        if self._follows_output:
+            output = tf.nest.flatten(y_pred)[0]
+            wide = "float64" in (keras.backend.standardize_dtype(getattr(output, "dtype", None)
+                                                                 or "float32"),
+                                 keras.config.floatx())
+            self._dtype = "float64" if wide else "float32"
+        return super().__call__(y_true, y_pred, sample_weight)
 
     def _y_pred(self, y_pred):
         return _float_tensor(y_pred, self.dtype)
@@ -158,7 +172,7 @@ class LikelihoodLoss(keras.losses.Loss):
 
     def get_config(self):
         config = super().get_config()
-        config["dtype"] = self._dtype_policy.name
+        config["dtype"] = None if self._follows_output else self._dtype_policy.name
         return config
 
 
