@@ -2,6 +2,7 @@
 posterior access, serialization and bad input."""
 
 import numpy as np
+import scipy.sparse
 import pytest
 import tensorflow as tf
 import keras
@@ -241,8 +242,8 @@ def test_predict_takes_any_batch_size_of_a_sequential_built_by_fit():
 
 
 def test_predict_takes_sparse_inputs_as_their_dense_values():
-    """A model on sparse inputs (bag of words) trains on a SparseTensor; predict failed in
-    tf.convert_to_tensor."""
+    """A model on sparse inputs (bag of words) trains on a SparseTensor or a scipy matrix; predict
+    failed in tf.convert_to_tensor."""
     x, y = regression_data(n=16)
     x = np.where(np.abs(x) > 0.5, x, 0).astype("float32")
     model = keras.Sequential([keras.Input((4,), sparse=True), keras.layers.Dense(1)])
@@ -250,12 +251,12 @@ def test_predict_takes_sparse_inputs_as_their_dense_values():
                   loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     predictive, state = [], model.optimizer._seed_generator.state.numpy()
-    for inputs in (x, tf.sparse.from_dense(x)):
+    for inputs in (x, tf.sparse.from_dense(x), scipy.sparse.csr_matrix(x)):
         model.optimizer._seed_generator.state.assign(state)        # the same weight samples
         predictive.append(tfnng.predict(model, inputs, num_samples=4))
-    np.testing.assert_array_equal(predictive[1].mean, predictive[0].mean)
-    np.testing.assert_array_equal(predictive[1].epistemic_variance,
-                                  predictive[0].epistemic_variance)
+    for sparse in predictive[1:]:
+        np.testing.assert_array_equal(sparse.mean, predictive[0].mean)
+        np.testing.assert_array_equal(sparse.epistemic_variance, predictive[0].epistemic_variance)
     assert np.all(predictive[0].epistemic_variance > 0)
 
 

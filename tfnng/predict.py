@@ -10,6 +10,7 @@ import dataclasses
 import weakref
 
 import numpy as np
+import scipy.sparse
 import tensorflow as tf
 
 from tfnng import losses as _losses
@@ -97,7 +98,7 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
 
     Args:
         model: a built Keras model compiled with a tfnng optimizer (or any optimizer, see above).
-        x: inputs, one array or tensor of shape ``(N, ...)`` (a ``tf.SparseTensor`` is made dense).
+        x: inputs, one array or tensor of shape ``(N, ...)`` (a ``tf.SparseTensor`` or scipy sparse matrix is made dense).
         num_samples: number S of weight samples.
         batch_size: forward-pass batch size (default: all of ``x`` at once).
         likelihood: a tfnng loss; defaults to ``model.loss`` (or its one loss: ``loss=[l]``).
@@ -196,7 +197,9 @@ def _inputs(x, model, caller="tfnng.predict"):
             f"{type(x).__name__}{' of arrays' if several else ''}. For a tf.data pipeline, call it "
             "on the arrays (e.g. per batch); for a model with several inputs, draw weight samples "
             "with `model.optimizer.sample_weights()` and call the model at each.")
-    # Sparse inputs (a bag of words) are taken as their dense values.
+    # Sparse inputs (a bag of words, also as a scipy matrix) are taken as their dense values.
+    if scipy.sparse.issparse(x):
+        x = x.toarray()
     x = tf.sparse.to_dense(tf.sparse.reorder(x)) if isinstance(x, tf.SparseTensor) else (
         tf.convert_to_tensor(x))
     if x.shape.rank == 0 or x.shape[0] == 0:
