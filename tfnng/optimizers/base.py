@@ -361,8 +361,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                        "`learning_rate`, a schedule's or a callable's value).")
 
     def _restarts(self):
-        """Whether the next step restarts the built state (:meth:`_initialize_means_once`)."""
-        return self._update_count > tf.cast(self.iterations, tf.int64)
+        """Whether the next step restarts the built state (:meth:`_initialize_means_once`): its
+        counters hold more gradient evaluations (updates times ``mc_samples``, those of a partial
+        Monte Carlo group, skipped ones) than ``iterations``, which counts every one of them."""
+        evaluations = self._update_count * self.mc_samples + self._skipped
+        if self.mc_samples > 1:
+            evaluations += self._mc_count
+        return evaluations > tf.cast(self.iterations, tf.int64)
 
     def _updates_done(self):
         """``update_count`` as the next step sees it (0 when it restarts): read before the step,
@@ -381,7 +386,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         the first update, or by ``sample_weights`` (which overwrites the weights). Posterior access
         before (``latch=False``) sees the weights of the moment without fixing them as the start.
 
-        Before that, a state that counts more updates than ``iterations`` restarts (as
+        Before that, a state that counts more evaluations than ``iterations`` restarts (as
         :meth:`load_own_variables` restarts it): ``tf.train.Checkpoint`` restores only what it
         saved, so a checkpoint written before the first step brings back the counters and seed but
         would leave the posterior trained since."""
