@@ -654,6 +654,13 @@ class BayesianModel(keras.Model):
 
     # ------------------------------------------------------------------------------ curvature
     def compile(self, *args, **kwargs):
+        if self.net.built and not self.built:
+            # A subclass with weights of its own (see __init__) is built once its own __init__ has
+            # run: its optimizer can then be built for all its variables before the first step
+            # (restoring into a fresh model; Keras builds it here under a strategy).
+            specs = _input_specs(self.net)
+            if specs is not None:
+                self.build(tf.nest.map_structure(lambda spec: tuple(spec.shape), specs))
         super().compile(*args, **kwargs)
         if isinstance(unwrap_optimizer(self.optimizer), NoisyOptimizer):
             check_mean_reduction(self.loss)
