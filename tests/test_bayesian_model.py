@@ -588,7 +588,7 @@ def test_variables_created_by_the_first_forward_pass_are_trained_or_get_a_clear_
 
 
 class TemperedModel(tfnng.BayesianModel):
-    """A BayesianModel whose own ``build`` adds a weight (an output scale) that its ``call`` uses."""
+    """A BayesianModel whose own ``build`` adds a weight (an output scale) its ``call`` uses."""
 
     def build(self, input_shape=None):
         self.scale = self.add_weight(shape=(), initializer="ones", name="scale")

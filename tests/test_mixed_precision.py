@@ -298,7 +298,8 @@ def test_float64_layers_under_a_float32_floatx_train_in_float64():
     np.testing.assert_allclose(float(tfnng.losses.GaussianNLL()(y, tf.cast(y_pred, "float32"))),
                                float(tfnng.losses.GaussianNLL(dtype="float32")(y, y_pred)))
     x = rng.normal(size=(16, 2))
-    net = keras.Sequential([keras.Input((2,), dtype="float64"), keras.layers.Dense(1, dtype="float64"),
+    net = keras.Sequential([keras.Input((2,), dtype="float64"),
+                            keras.layers.Dense(1, dtype="float64"),
                             tfnng.layers.NoisePrecision(16, dtype="float64")])
     net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=16),
                 loss=tfnng.losses.GaussianNLL("learned"))

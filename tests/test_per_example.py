@@ -125,8 +125,9 @@ def test_the_jacobian_method_needs_per_example_losses():
     # method='jacobian', which the caller had not chosen).
     grouped = grouped_conv_model()
     gx, gy = batch(grouped)
-    with pytest.raises(ValueError, match=r"method='auto' takes the Jacobian for a model with a "
-                                         r"recurrent layer, a grouped convolution.*reduction='none'"):
+    with pytest.raises(ValueError, match=r"method='auto' takes the Jacobian for a model with "
+                                         r"a recurrent layer, a grouped convolution.*"
+                                         r"reduction='none'"):
         per_example.per_example_gradients(grouped, summed, gx, gy)
     for g, e in zip(per_example.per_example_gradients(model, summed, x, y, method="vectorized_map"),
                     loop_gradients(model, x, y)):

@@ -245,9 +245,10 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     vadam.save_weights(tmp_path / "vadam.weights.h5")
     ivon = build_model(opt.IVON(1e-2, num_examples=len(x), seed=1), "gaussian_fixed", len(x))
     train(ivon, x, y)
-    assert [v.shape for v in ivon.optimizer.variables] == [v.shape for v in vadam.optimizer.variables]
+    shapes = [[v.shape for v in m.optimizer.variables] for m in (ivon, vadam)]
+    assert shapes[0] == shapes[1]
     state = [v.numpy() for v in ivon.optimizer.variables]
-    with pytest.raises(ValueError, match="saved optimizer state is Vadam's, this optimizer is IVON"):
+    with pytest.raises(ValueError, match="state is Vadam's, this optimizer is IVON"):
         ivon.load_weights(tmp_path / "vadam.weights.h5")
     for variable, value in zip(ivon.optimizer.variables, state):
         np.testing.assert_array_equal(variable, value)

@@ -121,7 +121,8 @@ def _target_seed(seed):
     (a random one for None) and shared by the Dense/Conv2D path and the generic path, so that both
     differentiate each example's log-likelihood at the same draw and the cross terms between their
     blocks (SLANG, full covariance) are the Fisher's. The replica id is folded in: the generator's
-    state is mirrored, so its plain draw would give every replica the same noise for its examples."""
+    state is mirrored, so its plain draw would give every replica the same noise for its
+    examples."""
     stateless = (_losses._stateless_seed(seed) if seed is not None
                  else tf.random.uniform([2], maxval=tf.int32.max, dtype=tf.int32))
     context = _multi_replica_context()
@@ -240,9 +241,9 @@ def _single_likelihood(loss_fn, purpose, alternative):
 
 def _sampled_targets(likelihood, output, seed):
     """Targets drawn from the predictive ``likelihood`` of ``output`` (the true Fisher's) with the
-    stateless ``seed`` of :func:`_target_seed`. Non-finite outputs (a diverging step) would make the sampler return
-    invalid targets: they are drawn from a finite stand-in (the statistics are non-finite anyway and
-    get skipped)."""
+    stateless ``seed`` of :func:`_target_seed`. Non-finite outputs (a diverging step) would make the
+    sampler return invalid targets: they are drawn from a finite stand-in (the statistics are
+    non-finite anyway and get skipped)."""
     finite = tf.where(tf.math.is_finite(output), output, tf.zeros_like(output))
     return tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite), seed=seed))
 
@@ -517,8 +518,9 @@ def _generic_records(net, loss_fn, x, y, variables, due, weights, example_scale,
     The passes run in inference mode (per_example_gradients), so the true Fisher's targets are
     sampled from the inference-mode outputs (the training pass's differ under dropout or batch
     statistics), with the stateless ``seed`` the Dense/Conv2D path uses: where the two passes agree,
-    both paths differentiate the same targets. The empirical Fisher differentiates minus the training loss of each example (for
-    a learned noise precision, eq. 23, not the Student-t predictive), as the Dense/Conv2D path does.
+    both paths differentiate the same targets. The empirical Fisher differentiates minus the
+    training loss of each example (for a learned noise precision, eq. 23, not the Student-t
+    predictive), as the Dense/Conv2D path does.
     """
     likelihood = _single_likelihood(
         loss_fn, f"The per-example gradients of {', '.join(layer_paths(variables))} (no Dense/Conv2D fast path: "
@@ -606,8 +608,10 @@ class BayesianModel(keras.Model):
         # is saved (.keras, .weights.h5, tf.train.Checkpoint) and resumed training draws the same
         # targets as uninterrupted training.
         self._fisher_seed_state = self._fisher_seed.state
+        # A subclass with weights of its own is built later, once its __init__ has run (compile,
+        # or Keras at the first call), as Keras builds a model.
         if net.built and not self._extends_the_forward_pass():
-            self.built = True      # a subclass's build (and its own layers) run as in Keras
+            self.built = True
 
     @classmethod
     def _extends_the_forward_pass(cls):
@@ -820,9 +824,9 @@ class BayesianModel(keras.Model):
         """A clear error for a net without trainable weights (Keras's own step would warn and skip
         the update; here the curvature steps failed on an empty list)."""
         if not self.trainable_variables:
-            raise ValueError(f"BayesianModel {self.name!r} has no trainable weights, so there is no "
-                             f"posterior to fit (are all the layers of its net {self.net.name!r} "
-                             "frozen?).")
+            raise ValueError(f"BayesianModel {self.name!r} has no trainable weights, so there is "
+                             f"no posterior to fit (are all the layers of its net "
+                             f"{self.net.name!r} frozen?).")
 
     def make_test_function(self, force=False):
         """Keras's, retraced once the optimizer has a posterior if the cached test step was traced

@@ -98,7 +98,8 @@ def predict(model, x, num_samples=100, batch_size=None, likelihood=None, return_
 
     Args:
         model: a built Keras model compiled with a tfnng optimizer (or any optimizer, see above).
-        x: inputs, one array or tensor of shape ``(N, ...)`` (a ``tf.SparseTensor`` or scipy sparse matrix is made dense).
+        x: inputs, one array or tensor of shape ``(N, ...)`` (a ``tf.SparseTensor`` or a scipy
+            sparse matrix is made dense).
         num_samples: number S of weight samples.
         batch_size: forward-pass batch size (default: all of ``x`` at once).
         likelihood: a tfnng loss; defaults to ``model.loss`` (or its one loss: ``loss=[l]``).

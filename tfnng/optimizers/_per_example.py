@@ -94,7 +94,8 @@ class PerExampleStatistics:
 
     def _generic_gradients(self, index):
         variable = self._trainable_variables[index]
-        for record in self._received_curvature().values():      # by identity: paths need not be unique
+        # By identity: paths need not be unique.
+        for record in self._received_curvature().values():
             if getattr(record, "variable", None) is variable:
                 return record.gradients
         raise ValueError(
