@@ -280,9 +280,7 @@ def test_noise_precision_keeps_q_tau_in_float32_under_a_mixed_policy(policy):
 
 def test_float64_layers_under_a_float32_floatx_train_in_float64():
     """A tfnng loss with its dtype left unset computed a float64 model's loss in float32 (Keras
-    casts to the loss's dtype): the residuals of targets near 1e4 lost 4 digits. A float64
-    NoisePrecision's KL term stopped Keras's sum of the model's losses (a float64 tensor among
-    float32 ones)."""
+    casts to the loss's dtype): the residuals of targets near 1e4 lost 4 digits."""
     assert keras.config.floatx() == "float32"
     rng = np.random.default_rng(5)
     y = tf.constant(1e4 + rng.normal(size=(8, 1)))
@@ -297,14 +295,6 @@ def test_float64_layers_under_a_float32_floatx_train_in_float64():
     assert tfnng.losses.GaussianNLL().get_config()["dtype"] is None     # still follows when loaded
     np.testing.assert_allclose(float(tfnng.losses.GaussianNLL()(y, tf.cast(y_pred, "float32"))),
                                float(tfnng.losses.GaussianNLL(dtype="float32")(y, y_pred)))
-    x = rng.normal(size=(16, 2))
-    net = keras.Sequential([keras.Input((2,), dtype="float64"),
-                            keras.layers.Dense(1, dtype="float64"),
-                            tfnng.layers.NoisePrecision(16, dtype="float64")])
-    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.01, num_examples=16),
-                loss=tfnng.losses.GaussianNLL("learned"))
-    history = net.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0).history
-    assert np.isfinite(history["loss"]).all()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -192,10 +192,7 @@ class NoisePrecision(keras.layers.Layer):
 
     def call(self, inputs):
         q = self.posterior()
-        # In floatx, as Keras sums a model's losses: a float64 layer under a float32 floatx
-        # failed there ("Cannot convert a list containing a tensor of dtype float64").
-        self.add_loss(tf.cast(self.kl_weight * self.kl_divergence(q) / self.num_examples,
-                              keras.config.floatx()))
+        self.add_loss(self.kl_weight * self.kl_divergence(q) / self.num_examples)
         alpha = tf.cast(q.concentration, inputs.dtype)
         beta = tf.cast(q.rate, inputs.dtype)
         ones = tf.ones_like(inputs)
