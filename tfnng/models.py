@@ -211,7 +211,8 @@ def check_mean_reduction(loss):
     its mean is over the examples it keeps, a mask the curvature statistics do not see."""
     for single in tf.nest.flatten(loss):
         name = type(single).__name__
-        _losses.require_mean_reduction(name, getattr(single, "reduction", _losses.MEAN_REDUCTIONS[0]))
+        _losses.require_mean_reduction(name, getattr(single, "reduction",
+                                                     _losses.MEAN_REDUCTIONS[0]))
         if getattr(single, "ignore_class", None) is not None:
             raise ValueError(
                 f"{name}(ignore_class={single.ignore_class}) averages over the examples it keeps, "
@@ -487,8 +488,8 @@ def _require_known_variables(optimizer, variables):
             f"{type(optimizer).__name__} was built for the net's variables before this step, "
             f"without {', '.join(unknown)}: created by the model's first forward pass (a Keras "
             "layer used as an activation, say; call the model on a batch, `model(x[:1])`, before "
-            "compiling), "
-            "or made trainable after the optimizer was built (compile with a new optimizer).")
+            "compiling), or made trainable after the optimizer was built (compile with a new "
+            "optimizer).")
 
 
 def _refuse_stateful_layers(net):

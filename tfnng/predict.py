@@ -74,8 +74,8 @@ def _likelihood_of(model, likelihood, caller="tfnng.predict"):
                 f"{len(likelihood)} losses, one per output. Draw weight samples with "
                 "`model.optimizer.sample_weights()` and call the model at each.")
     if isinstance(likelihood, type):
-        raise TypeError(f"{caller} needs a likelihood instance, e.g. `{likelihood.__name__}()`; got "
-                        f"the class {likelihood.__name__}.")
+        raise TypeError(f"{caller} needs a likelihood instance, e.g. `{likelihood.__name__}()`; "
+                        f"got the class {likelihood.__name__}.")
     if not all(hasattr(likelihood, attr) for attr in ("log_prob", "is_classification")):
         raise ValueError(
             f"{caller} needs a likelihood (a tfnng loss such as GaussianNLL or CategoricalNLL): "
@@ -173,7 +173,8 @@ def _traced(cache, owner, call, **options):
 
 def _traced_forward(model):
     """The model's inference-mode forward pass, traced once per input signature."""
-    return _traced(_FORWARD_PASSES, model, lambda net, xb: _losses.single_output(net(xb, training=False), "tfnng.predict"),
+    return _traced(_FORWARD_PASSES, model,
+                   lambda net, xb: _losses.single_output(net(xb, training=False), "tfnng.predict"),
                    reduce_retracing=True)
 
 

@@ -525,8 +525,9 @@ def run(args):
         f"_{tag}{value}" for tag, value, default in (
             ("mc", args.mc_samples, 1), ("b", args.batch_size, None),
             ("ps", args.predictive_samples, NUM_PREDICTIVE_SAMPLES)) if value != default)
-    out = args.out or (f"results/uci_{folder_tag}{args.dataset.replace(',', '+')}_{args.method.replace(',', '+')}"
-                       f"{settings_tag}_{split_range}_e{epochs}.json")
+    out = args.out or (f"results/uci_{folder_tag}{args.dataset.replace(',', '+')}_"
+                       f"{args.method.replace(',', '+')}{settings_tag}_{split_range}"
+                       f"_e{epochs}.json")
     _results.check_writable(out, "--out")
     missing = [d for d in datasets if not (Path(args.data_dir) / d).is_dir()]
     if missing:

@@ -58,12 +58,11 @@ class PerExampleStatistics:
         return layer_paths(v for i, v in enumerate(variables)
                            if i not in self._fast_sources and not self._point[i])
 
-
     def _from_layer(self, index, compute):
         """One part of a captured layer's per-example quantity, computed once per layer and step."""
         spec, part = self._fast_sources[index]
         key = (compute.__name__, spec.name)
-        records = self._received_curvature()               # a clear error first when there are none
+        records = self._received_curvature()      # a clear error first when there are none
         if key not in self._curvature_cache:
             self._curvature_cache[key] = compute(spec, records[spec.name])
         kernel, bias = self._curvature_cache[key]
