@@ -371,7 +371,8 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
 
 def test_an_optimizer_built_for_none_of_the_models_variables_is_refused(tmp_path):
     """Keras's legacy HDF5 loader builds the optimizer for no variables: predict and export gave
-    every weight sample equal to the current weights (epistemic variance 3e-14) without an error."""
+    every weight sample equal to the current weights (epistemic variance 3e-14) without an error,
+    and the KL read 0."""
     x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=tfnng.optimizers.NoisyAdam(1e-2, num_examples=8),
@@ -381,10 +382,24 @@ def test_an_optimizer_built_for_none_of_the_models_variables_is_refused(tmp_path
     legacy = keras.models.load_model(tmp_path / "m.h5")
     assert legacy.optimizer.built and not legacy.optimizer._trainable_variables
     for use in (lambda: tfnng.predict(legacy, x, num_samples=4),
-                lambda: serving.export(legacy, tmp_path / "served")):
-        with pytest.raises(ValueError, match="posterior over none of the variables.*legacy HDF5"):
+                lambda: serving.export(legacy, tmp_path / "served"),
+                legacy.optimizer.kl_divergence, legacy.optimizer.posterior,
+                legacy.optimizer.sample_weights):
+        with pytest.raises(ValueError, match="built for no variables.*legacy HDF5"):
             use()
     assert tfnng.predict(model, x, num_samples=4).epistemic_variance.min() > 1e-8
+
+
+def test_an_optimizer_built_for_another_model_is_refused():
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    first, second = (keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)], name=name)
+                     for name in ("first", "second"))
+    first.compile(optimizer=tfnng.optimizers.Vadam(1e-2, num_examples=8),
+                  loss=tfnng.losses.GaussianNLL())
+    first.optimizer.build(first.trainable_variables)
+    second.compile(optimizer=first.optimizer, loss=tfnng.losses.GaussianNLL())
+    with pytest.raises(ValueError, match="none of the variables of model 'second'.*another model"):
+        tfnng.predict(second, x, num_samples=4)
 
 
 @pytest.mark.parametrize("make_optimizer", [

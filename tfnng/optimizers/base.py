@@ -622,21 +622,24 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"{type(self).__name__} has no posterior yet: train first, or call "
                              "`optimizer.build(model.trainable_variables)` (an optimizer that reads "
                              "layer curvature is built by tfnng.BayesianModel).")
+        if not self._trainable_variables:
+            raise ValueError(
+                f"{type(self).__name__} was built for no variables, so it has no posterior (its KL "
+                "would read 0): Keras's legacy HDF5 loader builds the optimizer of a loaded model "
+                "that way and restores none of its state. Save with model.save('m.keras'), or "
+                "compile the model with a new optimizer and train it.")
         self._initialize_means_once(latch=False)
 
     def _require_posterior_of(self, model):
-        """:meth:`_require_built`, and a posterior over some of ``model``'s variables (a model
-        loaded from a legacy HDF5 file got an optimizer built for none of them: its samples
-        would all be the current weights)."""
+        """:meth:`_require_built`, and a posterior over some of ``model``'s variables (not
+        another model's: its samples would all be the current weights)."""
         self._require_built()
         own = {id(v) for v in self._trainable_variables}
         if model.trainable_variables and not any(id(v) in own for v in model.variables):
             raise ValueError(
                 f"{type(self).__name__} holds a posterior over none of the variables of model "
                 f"{model.name!r} ({len(self._trainable_variables)} variables of its own): it was "
-                "built for another model, or for none (Keras's legacy HDF5 format restores no "
-                "optimizer state; save with model.save('m.keras')). Train or restore it with "
-                "this model.")
+                "built for another model. Train or restore it with this model.")
 
     def _bayesian_indices(self):
         self._require_built()
