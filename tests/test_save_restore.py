@@ -276,6 +276,38 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     assert_same_state(untrained, loaded)
 
 
+@pytest.mark.parametrize("saved, cause", [
+    (dict(mc_samples=2), r"its mc_samples was 2 when saved, it is 1 here"),
+    (dict(learning_rate=decay), r"its learning rate was a schedule or callable when saved, it is "
+                                r"a number here"),
+    (dict(policy="mixed_float16"), r"it holds no tfnng optimizer's name: it may be a "
+                                   r"LossScaleOptimizer's \(saved under the 'mixed_float16'"),
+])
+def test_a_state_saved_with_other_settings_names_them(saved, cause, tmp_path):
+    """A state whose count of variables differs because the optimizer was built otherwise is
+    refused with that cause named (the message used to suggest frozen layers and marks)."""
+    def trained_with(policy="float32", **settings):
+        previous = keras.mixed_precision.global_policy()
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            optimizer = opt.NoisyAdam(**{"learning_rate": 1e-2, "num_examples": len(x), "seed": 1,
+                                         **settings})
+            model = build_model(optimizer, "gaussian_fixed", len(x))
+            train(model, x, y)
+        finally:
+            keras.mixed_precision.set_global_policy(previous)
+        return model
+
+    x, y = dataset("gaussian_fixed")
+    trained_with(**saved).save_weights(tmp_path / "m.weights.h5")
+    model = trained_with()
+    state = [v.numpy() for v in model.optimizer.variables]
+    with pytest.raises(ValueError, match=f"the saved optimizer state has .*: {cause}"):
+        model.load_weights(tmp_path / "m.weights.h5")
+    for variable, value in zip(model.optimizer.variables, state):        # nothing half-restored
+        np.testing.assert_array_equal(variable, value)
+
+
 RESTARTED = dict(
     CASES,
     noisy_kfac_stats_every_2=(
@@ -315,6 +347,47 @@ def test_weights_saved_before_training_restart_a_trained_optimizer(name, saver, 
     train(model, x, y)
     for a, b in zip(first_run, model.optimizer.variables + model.weights):
         np.testing.assert_array_equal(b.numpy(), a, err_msg=b.path)
+
+
+@pytest.mark.parametrize("name", ["noisy_adam", "noisy_kfac"])
+def test_a_trained_posterior_survives_another_mc_samples_and_an_assigned_iteration_count(
+        name, tmp_path):
+    """Only a state written before the first step restarts a trained optimizer: a trained
+    tf.train.Checkpoint restored into an optimizer with ``mc_samples=2``, and ``iterations``
+    assigned 0 by the user, keep the posterior (both used to restart it: the restart was inferred
+    from counters that disagreed with ``iterations``)."""
+    make_optimizer, loss_name = CASES[name]
+    model, x, y = trained(make_optimizer, loss_name)
+
+    def posterior(of):
+        optimizer = of.optimizer
+        return [(optimizer.posterior_mean(v).numpy(), optimizer.posterior_stddev(v).numpy())
+                for v in of.trainable_variables]
+
+    def assert_posterior(expected, of):
+        for (mean, stddev), (got_mean, got_stddev) in zip(expected, posterior(of)):
+            np.testing.assert_array_equal(got_mean, mean)
+            np.testing.assert_array_equal(got_stddev, stddev)
+
+    trained_posterior = posterior(model)
+    optimizer = make_optimizer(len(x))
+    config = {**optimizer.get_config(), "mc_samples": 2}
+    restored = build_model(type(optimizer).from_config(config), loss_name, len(x))
+    restored.optimizer.build(restored.trainable_variables)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+        str(tmp_path / "trained"))
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(path)   # no MC sums
+    assert_posterior(trained_posterior, restored)
+    train(restored, x[:BATCH], y[:BATCH])            # half a Monte Carlo group: no update yet
+    assert_posterior(trained_posterior, restored)
+
+    model.optimizer.iterations.assign(0)
+    assert_posterior(trained_posterior, model)
+    train(model, x[:BATCH], y[:BATCH])
+    stepped_posterior = posterior(model)
+    assert not np.array_equal(stepped_posterior[0][0], trained_posterior[0][0]), "no update"
+    model.optimizer.iterations.assign(0)
+    assert_posterior(stepped_posterior, model)
 
 
 def test_the_compared_state_covers_curvature_inverses_counters_and_rng():

@@ -43,19 +43,21 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         if self.built:
             return
         super().build(variables)
-        self._flat_indices = [i for i, point in enumerate(self._point) if not point]
-        if not self._flat_indices:
-            raise ValueError(f"{type(self).__name__}: the model has no Bayesian variables.")
-        self._sizes = [int(np.prod(variables[i].shape)) for i in self._flat_indices]
-        self.dimension = sum(self._sizes)
-        dtype = variables[self._flat_indices[0]].dtype
-        self._build_posterior(self.dimension, dtype)
         if self.mc_samples > 1:
+            dtype = variables[self._flat_indices[0]].dtype
             self._mc_sums = {
                 "grad": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_grad"),
                 "weight": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_weight"),
                 "curvature": self.add_variable(*self._curvature_spec(self.dimension, dtype),
                                                name="mc_sum_curvature")}
+
+    def _build_family_state(self, variables):
+        self._flat_indices = [i for i, point in enumerate(self._point) if not point]
+        if not self._flat_indices:
+            raise ValueError(f"{type(self).__name__}: the model has no Bayesian variables.")
+        self._sizes = [int(np.prod(variables[i].shape)) for i in self._flat_indices]
+        self.dimension = sum(self._sizes)
+        self._build_posterior(self.dimension, variables[self._flat_indices[0]].dtype)
 
     def _curvature_spec(self, dimension, dtype):
         """``(shape, initializer, dtype)`` of the curvature statistic's Monte Carlo sum."""

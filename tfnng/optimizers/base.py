@@ -23,6 +23,7 @@ the Keras convention (mean negative log-likelihood of the batch); the optimizers
 """
 
 import contextlib
+import json
 import logging
 import math
 import numbers
@@ -246,6 +247,14 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         self._seed_generator = keras.random.SeedGenerator(seed, name="weight_noise_seed")
         self._track_variable(self._seed_generator.state)
         self._unbuilt_variable_count = len(self.variables)      # state saved before any posterior
+        # 1 once the means are latched (the first step): a tf.train.Checkpoint written before
+        # restores 0 (see _restarts). A dependency of the checkpoint only, not one of `variables`,
+        # which Keras saves and loads by count (load_own_variables sets it from the loaded state).
+        with keras.name_scope(self.name, caller=self):
+            started = keras.Variable(0, dtype="int64", trainable=False, aggregation="none",
+                                     name="posterior_started")
+        object.__setattr__(self, "_posterior_started", started)
+        self._track_trackable(started, name="posterior_started")
 
     # ----------------------------------------------------------------------------- hyper-parameters
     @property
@@ -307,9 +316,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                      self.add_variable_from_reference(v, "point_v"))
                     if self._point[i] and self._natural_steps[i] is None else None
                     for i, v in enumerate(variables)]
+            self._build_family_state(variables)
             if self.mc_samples > 1:
-                # Monte Carlo sums: the sample statistics of the Bayesian variables, the gradient of
-                # the point estimates (lists aligned with the variables, None where unused).
+                # Monte Carlo sums, after every other list of state: tf.train.Checkpoint finds an
+                # optimizer's variables by position, so that a checkpoint restores into an
+                # optimizer with another mc_samples. The sample statistics of the Bayesian
+                # variables and the gradients of the point estimates (lists aligned with the
+                # variables, None where unused).
                 self._accumulators = {
                     name: [None if self._point[i] else
                            self.add_variable_from_reference(v, f"mc_sum_{name}")
@@ -324,6 +337,10 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                                                    name="update_count")
             self._skipped = self.add_variable((), initializer="zeros", dtype="int64",
                                               name="skipped_updates")
+
+    def _build_family_state(self, variables):
+        """Creates the family's own state (curvature factors, flat posterior), before the Monte
+        Carlo sums; inside the optimizer's name scope. Nothing by default."""
 
     def add_variable(self, shape, initializer="zeros", dtype=None, aggregation="none", layout=None,
                      name=None):
@@ -361,13 +378,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                        "`learning_rate`, a schedule's or a callable's value).")
 
     def _restarts(self):
-        """Whether the next step restarts the built state (:meth:`_initialize_means_once`): its
-        counters hold more gradient evaluations (updates times ``mc_samples``, those of a partial
-        Monte Carlo group, skipped ones) than ``iterations``, which counts every one of them."""
-        evaluations = self._update_count * self.mc_samples + self._skipped
-        if self.mc_samples > 1:
-            evaluations += self._mc_count
-        return evaluations > tf.cast(self.iterations, tf.int64)
+        """Whether the next step restarts the built state (:meth:`_initialize_means_once`): a
+        ``tf.train.Checkpoint`` written before the first step restored ``iterations`` and
+        ``posterior_started`` to 0 in an optimizer that has stepped since (its means latched).
+        Neither alone: a user may assign ``iterations``, and a checkpoint written before
+        ``posterior_started`` existed leaves it at 0."""
+        return ((self._posterior_started == 0) & (self._means_ready > 0)
+                & tf.equal(self.iterations, 0))
 
     def _updates_done(self):
         """``update_count`` as the next step sees it (0 when it restarts): read before the step,
@@ -386,7 +403,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         the first update, or by ``sample_weights`` (which overwrites the weights). Posterior access
         before (``latch=False``) sees the weights of the moment without fixing them as the start.
 
-        Before that, a state that counts more evaluations than ``iterations`` restarts (as
+        Before that, a state restored from before the first step restarts (:meth:`_restarts`, as
         :meth:`load_own_variables` restarts it): ``tf.train.Checkpoint`` restores only what it
         saved, so a checkpoint written before the first step brings back the counters and seed but
         would leave the posterior trained since."""
@@ -397,6 +414,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 mean.assign(variable)
             if latch:
                 self._means_ready.assign(1)
+                self._posterior_started.assign(1)
             return tf.constant(True)
 
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
@@ -730,11 +748,35 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return next(cls.__name__ for cls in type(self).__mro__
                     if cls.__module__.startswith("tfnng."))
 
+    _STATE_LAYOUT_KEY = "tfnng_state_layout"
+
+    def _state_layout(self):
+        """The settings besides the model that decide which variables the state has."""
+        return {"mc_samples": self.mc_samples,
+                "learning rate": ("a number" if isinstance(self._learning_rate, keras.Variable)
+                                  else "a schedule or callable")}
+
     def save_own_variables(self, store):
-        """Keras's (the variables by number), and the name of the tfnng optimizer: the states of
-        two optimizers can have the same count and shapes of variables (Vadam's and IVON's)."""
+        """Keras's (the variables by number), the name of the tfnng optimizer (the states of two
+        optimizers can have the same count and shapes of variables: Vadam's and IVON's) and the
+        settings that decide the count (named in the error when a state does not fit)."""
         super().save_own_variables(store)
-        store[self._STATE_KIND_KEY] = np.frombuffer(self._state_kind().encode(), np.uint8)
+        store[self._STATE_KIND_KEY] = _encode(self._state_kind())
+        store[self._STATE_LAYOUT_KEY] = _encode(json.dumps(self._state_layout()))
+
+    def _count_mismatch_causes(self, store):
+        """Why a saved state has another count of variables, where the store tells."""
+        if self._STATE_KIND_KEY not in store:
+            return ["it holds no tfnng optimizer's name: it may be a LossScaleOptimizer's (saved "
+                    "under the 'mixed_float16' policy: set the policy it was saved under before "
+                    "building the model) or another optimizer's"]
+        if self._STATE_LAYOUT_KEY not in store:
+            return []
+        saved = json.loads(_decode(store[self._STATE_LAYOUT_KEY]))
+        return [f"its {name} was {saved[name]} when saved, it is {value} here (construct the "
+                "optimizer as it was when saved)"
+                for name, value in self._state_layout().items()
+                if name in saved and saved[name] != value]
 
     def load_own_variables(self, store):
         """Restore the state Keras saved (``model.save``, ``save_weights``, checkpoints callbacks).
@@ -744,10 +786,10 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         one weight sample and a posterior restarted from it, silently. So does the state of another
         tfnng optimizer (files saved before the optimizer's name was saved are taken as they are).
         """
-        keys = list(store.keys())
-        if self._STATE_KIND_KEY in keys:
-            keys.remove(self._STATE_KIND_KEY)
-            kind = bytes(np.asarray(store[self._STATE_KIND_KEY], np.uint8)).decode()
+        keys = [key for key in store.keys()
+                if key not in (self._STATE_KIND_KEY, self._STATE_LAYOUT_KEY)]
+        if self._STATE_KIND_KEY in store:
+            kind = _decode(store[self._STATE_KIND_KEY])
             if kind != self._state_kind():
                 raise ValueError(
                     f"The saved optimizer state is {kind}'s, this optimizer is "
@@ -759,17 +801,20 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         # means are copied from the restored weights at the next step).
         restart = saved == self._unbuilt_variable_count < len(self.variables)
         if saved != len(self.variables) and not restart:
+            causes = self._count_mismatch_causes(store) if self.built else []
             raise ValueError(
                 f"{type(self).__name__}: the saved optimizer state has {saved} variables, this "
-                f"optimizer has {len(self.variables)}"
-                f"{' (it is not built yet)' if not self.built else ''}, so the saved posterior "
-                "cannot be restored. If the optimizer is not built yet (e.g. `load_weights` into a "
-                "fresh model), call `model.optimizer.build(model.trainable_variables)` first. If "
-                "the model trains other variables than when it was saved: layers frozen "
-                "(`trainable = False`) after the optimizer was built must be made trainable before "
-                "saving, and variables marked with `tfnng.mark_point_estimate` outside a layer's "
-                "`build` lose the mark on loading (mark them in `build`, as "
-                f"`tfnng.layers.NoisePrecision` does). {_ANOTHER_OPTIMIZERS_STATE}")
+                f"optimizer has {len(self.variables)}" + (
+                    f": {'; '.join(causes)}. " if causes else
+                    f"{' (it is not built yet)' if not self.built else ''}, so the saved "
+                    "posterior cannot be restored. If the optimizer is not built yet (e.g. "
+                    "`load_weights` into a fresh model), call "
+                    "`model.optimizer.build(model.trainable_variables)` first. If the model "
+                    "trains other variables than when it was saved: layers frozen "
+                    "(`trainable = False`) after the optimizer was built must be made trainable "
+                    "before saving, and variables marked with `tfnng.mark_point_estimate` outside "
+                    "a layer's `build` lose the mark on loading (mark them in `build`, as "
+                    "`tfnng.layers.NoisePrecision` does). ") + _ANOTHER_OPTIMIZERS_STATE)
         mismatched = [f"{variable.path} {tuple(variable.shape)} (saved: {tuple(store[str(i)].shape)})"
                       for i, variable in enumerate(self.variables[:saved])
                       if tuple(store[str(i)].shape) != tuple(variable.shape)]
@@ -783,6 +828,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self.variables[i].assign(store[str(i)])
         if restart:
             self._restart_built_state()
+        if self.built:
+            self._posterior_started.assign(self._means_ready)
 
     def get_config(self):
         config = super().get_config()
@@ -798,6 +845,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             "nonfinite": self.nonfinite,
         })
         return config
+
+
+def _encode(text):
+    """A string as a uint8 array, which Keras's weight stores hold."""
+    return np.frombuffer(text.encode(), np.uint8)
+
+
+def _decode(array):
+    return bytes(np.asarray(array, np.uint8)).decode()
 
 
 class CurvatureConsumer:

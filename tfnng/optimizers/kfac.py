@@ -237,10 +237,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             return
         self._require_layer_specs()
         super().build(variables)
-        with keras.name_scope(self.name, caller=self):
-            self._build_blocks(variables)
 
-    def _build_blocks(self, variables):
+    def _build_family_state(self, variables):
         self._blocks = []
         taken = set()
         for spec, k, b in self._trained_layer_specs():
