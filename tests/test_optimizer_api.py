@@ -562,6 +562,42 @@ def test_learning_rates_assigned_after_construction_are_checked_at_each_step(rat
         np.testing.assert_array_equal(model.optimizer.posterior_mean(variable), mean)
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_hyper_parameters_are_fixed_once_built_and_the_state_moves_to_a_new_optimizer(method,
+                                                                                    tmp_path):
+    """A compiled step keeps the values it was traced with: after the build, assigning a
+    hyper-parameter (which training ignored while the posterior accessors read it) is refused.
+    Before the build it is taken; the learning rate stays assignable. The advice of the error,
+    saving the weights and loading them into a new optimizer, keeps the posterior means."""
+    x, y = regression_data(n=32)
+    model = small_net()
+    optimizer = METHODS[method](0.01, num_examples=32, seed=1)
+    optimizer.kl_weight = 0.5
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance=0.5))
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert optimizer.kl_weight == 0.5
+    for name in ("kl_weight", "num_examples", "prior_variance", "mc_samples", "hess_init", "seed"):
+        value = getattr(optimizer, name)
+        with pytest.raises(AttributeError, match=f"{type(optimizer).__name__}.{name} cannot "
+                                                 "change once the optimizer is built"):
+            setattr(optimizer, name, 2 * value if isinstance(value, (int, float)) else 1)
+        assert getattr(optimizer, name) == value
+    optimizer.learning_rate = 0.02
+    assert float(optimizer.learning_rate) == pytest.approx(0.02)
+
+    model.save_weights(tmp_path / "trained.weights.h5")
+    tempered = type(optimizer).from_config({**optimizer.get_config(), "kl_weight": 0.25})
+    model.compile(optimizer=tempered, loss=tfnng.losses.GaussianNLL(noise_variance=0.5))
+    tempered.build(model.trainable_variables)
+    model.load_weights(tmp_path / "trained.weights.h5")
+    assert tempered.kl_weight == 0.25
+    for variable in model.trainable_variables:
+        np.testing.assert_array_equal(tempered.posterior_mean(variable),
+                                      optimizer.posterior_mean(variable))
+    kernel = model.trainable_variables[0]
+    assert not np.allclose(tempered.posterior_stddev(kernel), optimizer.posterior_stddev(kernel))
+
+
 def test_posterior_access_before_the_first_step_does_not_fix_where_the_posterior_starts():
     """The means start at the weights the model holds at the first update: a look at the initial
     posterior before loading pre-trained weights used to fix the means at the random initial

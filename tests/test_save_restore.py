@@ -308,6 +308,22 @@ def test_a_state_saved_with_other_settings_names_them(saved, cause, tmp_path):
         np.testing.assert_array_equal(variable, value)
 
 
+@pytest.mark.parametrize("name, settings", [
+    ("noisy_kfac", ["stats_every", "inverse_every", "momentum", "block_tridiagonal", "kl_weight"]),
+    ("slang", ["rank", "beta", "extrinsic_damping"]),
+    ("vogn", ["momentum", "fisher"])])
+def test_hyper_parameters_of_a_built_curvature_optimizer_are_fixed(name, settings):
+    """As for the diagonal optimizers (test_optimizer_api): a compiled step keeps the values it
+    was traced with, so assigning them after the build is refused."""
+    model, _, _ = trained(*CASES[name])
+    for setting in settings:
+        value = getattr(model.optimizer, setting)
+        with pytest.raises(AttributeError, match=f"{setting} cannot change once the optimizer is "
+                                                 "built.*from_config.*save_weights"):
+            setattr(model.optimizer, setting, value)
+        assert getattr(model.optimizer, setting) is value
+
+
 RESTARTED = dict(
     CASES,
     noisy_kfac_stats_every_2=(

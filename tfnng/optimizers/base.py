@@ -23,6 +23,8 @@ the Keras convention (mean negative log-likelihood of the batch); the optimizers
 """
 
 import contextlib
+import functools
+import inspect
 import json
 import logging
 import math
@@ -265,6 +267,21 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     def _sampling_variance(self, curvature, damping):
         """The NNG sampling variance ``(lambda/N) / (curvature + damping)`` (NNG eq. 9, Alg. 1)."""
         return (self.kl_weight / self.num_examples) / (curvature + damping)
+
+    def __setattr__(self, name, value):
+        """Refuses to change a tfnng hyper-parameter (a constructor argument that Keras's optimizer
+        has not: ``kl_weight``, ``num_examples``, ``beta`` ...) once the optimizer is built."""
+        if (not name.startswith("_") and getattr(self, "built", False)
+                and name in _hyperparameter_names(type(self))):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} cannot change once the optimizer is built: the "
+                "compiled training step and tfnng.predict keep the value they were traced with, "
+                "while the posterior accessors would read the new one. Construct an optimizer with "
+                f"it (`type(opt).from_config({{**opt.get_config(), {name!r}: ...}})`) and compile "
+                "again; to keep the trained state, save the weights first "
+                "(`model.save_weights`) and load them after building the new optimizer "
+                "(`model.optimizer.build(model.trainable_variables)`).")
+        super().__setattr__(name, value)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Not supported: the prior N(0, eta I) (IVON's ``weight_decay``) covers every Bayesian weight.
@@ -845,6 +862,17 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             "nonfinite": self.nonfinite,
         })
         return config
+
+
+@functools.cache
+def _hyperparameter_names(cls):
+    """The constructor arguments of ``cls`` and its tfnng bases that Keras's optimizer has not."""
+    def arguments(classes):
+        return {name for base in classes if "__init__" in vars(base)
+                for name in inspect.signature(base.__init__).parameters}
+
+    ours = arguments(base for base in cls.__mro__ if base.__module__.startswith("tfnng."))
+    return frozenset(ours - arguments(keras.optimizers.Optimizer.__mro__) - {"self", "kwargs"})
 
 
 def _encode(text):
