@@ -17,7 +17,9 @@ the few steps taken here, and what is saved does not depend on it. The resume of
 epoch backups runs compiled, the way users train.
 """
 
+import copy
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -276,23 +278,30 @@ def test_a_saved_posterior_that_does_not_fit_is_an_error_not_a_silent_reset(tmp_
     assert_same_state(untrained, loaded)
 
 
-@pytest.mark.parametrize("saved, cause", [
-    (dict(mc_samples=2), r"its mc_samples was 2 when saved, it is 1 here"),
-    (dict(learning_rate=decay), r"its learning rate was a schedule or callable when saved, it is "
-                                r"a number here"),
-    (dict(policy="mixed_float16"), r"it holds no tfnng optimizer's name: it may be a "
-                                   r"LossScaleOptimizer's \(saved under the 'mixed_float16'"),
+@pytest.mark.parametrize("make, saved, cause", [
+    (opt.NoisyAdam, dict(mc_samples=2), r"has 37 variables, this optimizer has 24: it was saved by "
+                                        r"NoisyAdam constructed otherwise: mc_samples was 2 when "
+                                        r"saved, it is 1 here \(construct the optimizer as it was"),
+    (opt.NoisyAdam, dict(learning_rate=decay), r"learning rate was a schedule or callable when "
+                                               r"saved, it is a number here"),
+    (opt.NoisyAdam, dict(policy="mixed_float16"), r"it holds no tfnng optimizer's name: it may be "
+                                                  r"a LossScaleOptimizer's \(saved under the "
+                                                  r"'mixed_float16'"),
+    (opt.VOGN, dict(momentum=0.5), r"momentum was 0.5 when saved, it is 0.0 here"),
+    (opt.SLANG, dict(rank=3), r"does not fit this model's: it was saved by SLANG constructed "
+                              r"otherwise: rank was 3 when saved, it is 2 here"),    # shapes differ
 ])
-def test_a_state_saved_with_other_settings_names_them(saved, cause, tmp_path):
-    """A state whose count of variables differs because the optimizer was built otherwise is
-    refused with that cause named (the message used to suggest frozen layers and marks)."""
+def test_a_state_saved_with_other_settings_names_them(make, saved, cause, tmp_path):
+    """A state that does not fit because the optimizer was constructed otherwise is refused with
+    the settings that differ (the message used to suggest frozen layers and marks, or other layer
+    sizes); so is the state of a LossScaleOptimizer loaded without it."""
     def trained_with(policy="float32", **settings):
         previous = keras.mixed_precision.global_policy()
         keras.mixed_precision.set_global_policy(policy)
         try:
-            optimizer = opt.NoisyAdam(**{"learning_rate": 1e-2, "num_examples": len(x), "seed": 1,
-                                         **settings})
-            model = build_model(optimizer, "gaussian_fixed", len(x))
+            settings = {"learning_rate": 1e-2, "num_examples": len(x), "seed": 1,
+                        **({"rank": 2} if make is opt.SLANG else {}), **settings}
+            model = build_model(make(**settings), "gaussian_fixed", len(x))
             train(model, x, y)
         finally:
             keras.mixed_precision.set_global_policy(previous)
@@ -302,10 +311,24 @@ def test_a_state_saved_with_other_settings_names_them(saved, cause, tmp_path):
     trained_with(**saved).save_weights(tmp_path / "m.weights.h5")
     model = trained_with()
     state = [v.numpy() for v in model.optimizer.variables]
-    with pytest.raises(ValueError, match=f"the saved optimizer state has .*: {cause}"):
+    with pytest.raises(ValueError, match=cause):
         model.load_weights(tmp_path / "m.weights.h5")
     for variable, value in zip(model.optimizer.variables, state):        # nothing half-restored
         np.testing.assert_array_equal(variable, value)
+
+
+def test_a_trained_optimizer_copied_alone_says_to_copy_the_model():
+    """copy.deepcopy and pickle of an optimizer go through Keras's saving, which rebuilds it
+    without the model's variables: refused with that said (the message gave load_weights advice);
+    the model copies with its posterior."""
+    model, x, y = trained(*CASES["noisy_adam"])
+    for copy_of in (copy.deepcopy, lambda each: pickle.loads(pickle.dumps(each))):
+        with pytest.raises(ValueError, match=r"not built yet.*does not copy or pickle on its own.*"
+                                             r"copy or pickle the model"):
+            copy_of(model.optimizer)
+    copied = pickle.loads(pickle.dumps(model))
+    assert_same_state(model, copied)
+    assert_same_posterior(model, copied)
 
 
 @pytest.mark.parametrize("name, settings", [
@@ -324,8 +347,15 @@ def test_hyper_parameters_of_a_built_curvature_optimizer_are_fixed(name, setting
         assert getattr(model.optimizer, setting) is value
 
 
+def schedule_assigned_after_construction(n):
+    optimizer = opt.NoisyAdam(1e-2, num_examples=n, seed=1)
+    optimizer.learning_rate = decay       # Keras stops tracking the learning-rate variable
+    return optimizer
+
+
 RESTARTED = dict(
     CASES,
+    schedule_assigned=(schedule_assigned_after_construction, "gaussian_fixed"),
     noisy_kfac_stats_every_2=(
         lambda n: opt.NoisyKFAC(1e-2, num_examples=n, stats_every=2, inverse_every=2, seed=1),
         "categorical"),
@@ -333,9 +363,13 @@ RESTARTED = dict(
                         "categorical"))
 
 
-@pytest.mark.parametrize("name", ["noisy_adam", "noisy_kfac_blocktri_mc2", "slang",
-                                  "noisy_kfac_stats_every_2", "vadam_mc2_one_step"])
-@pytest.mark.parametrize("saver", ["save_weights", "tf.train.Checkpoint"])
+# A schedule assigned after construction: Keras removes its learning-rate variable from the list
+# tf.train.Checkpoint saves, which then refuses to save the list (Keras's, not tfnng's).
+@pytest.mark.parametrize("name, saver", [
+    *((name, saver) for name in ["noisy_adam", "noisy_kfac_blocktri_mc2", "slang",
+                                 "noisy_kfac_stats_every_2", "vadam_mc2_one_step"]
+      for saver in ["save_weights", "tf.train.Checkpoint"]),
+    ("schedule_assigned", "save_weights")])
 def test_weights_saved_before_training_restart_a_trained_optimizer(name, saver, tmp_path):
     """Save before the first step, train, load that save, train again: the second run repeats the
     first (the trained posterior, Fisher and factors used to survive the load, with the counters
@@ -343,7 +377,7 @@ def test_weights_saved_before_training_restart_a_trained_optimizer(name, saver, 
     tf.train.Checkpoint, which restores only what it saved, they survived after the Keras paths
     were fixed, and then K-FAC's first statistics step after the restart read the trained run's
     update count and averaged zeros into S, and a run of half a Monte Carlo group, no update yet,
-    was not restarted at all)."""
+    was not restarted at all; a schedule assigned after construction made the load an error)."""
     make_optimizer, loss_name = RESTARTED[name]
     x, y = dataset(loss_name)
     if name.endswith("_one_step"):

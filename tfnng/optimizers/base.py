@@ -248,7 +248,6 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         self.nonfinite = nonfinite
         self._seed_generator = keras.random.SeedGenerator(seed, name="weight_noise_seed")
         self._track_variable(self._seed_generator.state)
-        self._unbuilt_variable_count = len(self.variables)      # state saved before any posterior
         # 1 once the means are latched (the first step): a tf.train.Checkpoint written before
         # restores 0 (see _restarts). A dependency of the checkpoint only, not one of `variables`,
         # which Keras saves and loads by count (load_own_variables sets it from the loaded state).
@@ -354,6 +353,13 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                                                    name="update_count")
             self._skipped = self.add_variable((), initializer="zeros", dtype="int64",
                                               name="skipped_updates")
+
+    @property
+    def _unbuilt_variable_count(self):
+        """How many variables come before the built state (the state saved before any posterior):
+        ``iterations``, the learning rate when it is a number (Keras stops tracking it when a
+        schedule is assigned), the noise generator's state."""
+        return 2 + isinstance(self._learning_rate, keras.Variable)
 
     def _build_family_state(self, variables):
         """Creates the family's own state (curvature factors, flat posterior), before the Monte
@@ -765,35 +771,45 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return next(cls.__name__ for cls in type(self).__mro__
                     if cls.__module__.startswith("tfnng."))
 
-    _STATE_LAYOUT_KEY = "tfnng_state_layout"
+    _STATE_SETTINGS_KEY = "tfnng_settings"
 
-    def _state_layout(self):
-        """The settings besides the model that decide which variables the state has."""
-        return {"mc_samples": self.mc_samples,
-                "learning rate": ("a number" if isinstance(self._learning_rate, keras.Variable)
-                                  else "a schedule or callable")}
+    def _settings(self):
+        """The optimizer's config and whether its learning rate is a number (a variable of the
+        state) or a schedule, in JSON types: saved with the state, named when one does not fit."""
+        config = {key: value for key, value in self.get_config().items()
+                  if key not in ("name", "learning_rate")}
+        config["learning rate"] = ("a number" if isinstance(self._learning_rate, keras.Variable)
+                                   else "a schedule or callable")
+        return json.loads(json.dumps(config, default=repr))
 
     def save_own_variables(self, store):
         """Keras's (the variables by number), the name of the tfnng optimizer (the states of two
-        optimizers can have the same count and shapes of variables: Vadam's and IVON's) and the
-        settings that decide the count (named in the error when a state does not fit)."""
+        optimizers can have the same count and shapes of variables: Vadam's and IVON's) and its
+        settings (named in the error when a state does not fit)."""
         super().save_own_variables(store)
         store[self._STATE_KIND_KEY] = _encode(self._state_kind())
-        store[self._STATE_LAYOUT_KEY] = _encode(json.dumps(self._state_layout()))
+        store[self._STATE_SETTINGS_KEY] = _encode(json.dumps(self._settings()))
 
-    def _count_mismatch_causes(self, store):
-        """Why a saved state has another count of variables, where the store tells."""
+    def _mismatch_causes(self, store):
+        """What the store tells of why its state does not fit: the settings it was saved with
+        that differ, or the absence of a tfnng optimizer's name."""
         if self._STATE_KIND_KEY not in store:
             return ["it holds no tfnng optimizer's name: it may be a LossScaleOptimizer's (saved "
                     "under the 'mixed_float16' policy: set the policy it was saved under before "
                     "building the model) or another optimizer's"]
-        if self._STATE_LAYOUT_KEY not in store:
+        if self._STATE_SETTINGS_KEY not in store:
             return []
-        saved = json.loads(_decode(store[self._STATE_LAYOUT_KEY]))
-        return [f"its {name} was {saved[name]} when saved, it is {value} here (construct the "
-                "optimizer as it was when saved)"
-                for name, value in self._state_layout().items()
-                if name in saved and saved[name] != value]
+        saved = json.loads(_decode(store[self._STATE_SETTINGS_KEY]))
+
+        def shown(name, value):
+            return value if name == "learning rate" else repr(value)
+
+        differ = [f"{name} was {shown(name, saved[name])} when saved, it is "
+                  f"{shown(name, value)} here"
+                  for name, value in self._settings().items()
+                  if name in saved and saved[name] != value]
+        return [f"it was saved by {type(self).__name__} constructed otherwise: "
+                f"{'; '.join(differ)} (construct the optimizer as it was)"] if differ else []
 
     def load_own_variables(self, store):
         """Restore the state Keras saved (``model.save``, ``save_weights``, checkpoints callbacks).
@@ -804,7 +820,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         tfnng optimizer (files saved before the optimizer's name was saved are taken as they are).
         """
         keys = [key for key in store.keys()
-                if key not in (self._STATE_KIND_KEY, self._STATE_LAYOUT_KEY)]
+                if key not in (self._STATE_KIND_KEY, self._STATE_SETTINGS_KEY)]
         if self._STATE_KIND_KEY in store:
             kind = _decode(store[self._STATE_KIND_KEY])
             if kind != self._state_kind():
@@ -818,29 +834,37 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         # means are copied from the restored weights at the next step).
         restart = saved == self._unbuilt_variable_count < len(self.variables)
         if saved != len(self.variables) and not restart:
-            causes = self._count_mismatch_causes(store) if self.built else []
+            if not self.built:
+                advice = (
+                    " (it is not built yet), so the saved posterior cannot be restored: call "
+                    "`model.optimizer.build(model.trainable_variables)` first (e.g. before "
+                    "`load_weights` into a fresh model). A trained optimizer does not copy or "
+                    "pickle on its own (`copy.deepcopy`, `pickle`: Keras rebuilds it without the "
+                    "model's variables): copy or pickle the model. ")
+            elif causes := self._mismatch_causes(store):
+                advice = f": {'; '.join(causes)}. "
+            else:
+                advice = (
+                    ", so the saved posterior cannot be restored. If the model trains other "
+                    "variables than when it was saved: layers frozen (`trainable = False`) after "
+                    "the optimizer was built must be made trainable before saving, and variables "
+                    "marked with `tfnng.mark_point_estimate` outside a layer's `build` lose the "
+                    "mark on loading (mark them in `build`, as `tfnng.layers.NoisePrecision` "
+                    "does). ")
             raise ValueError(
                 f"{type(self).__name__}: the saved optimizer state has {saved} variables, this "
-                f"optimizer has {len(self.variables)}" + (
-                    f": {'; '.join(causes)}. " if causes else
-                    f"{' (it is not built yet)' if not self.built else ''}, so the saved "
-                    "posterior cannot be restored. If the optimizer is not built yet (e.g. "
-                    "`load_weights` into a fresh model), call "
-                    "`model.optimizer.build(model.trainable_variables)` first. If the model "
-                    "trains other variables than when it was saved: layers frozen "
-                    "(`trainable = False`) after the optimizer was built must be made trainable "
-                    "before saving, and variables marked with `tfnng.mark_point_estimate` outside "
-                    "a layer's `build` lose the mark on loading (mark them in `build`, as "
-                    "`tfnng.layers.NoisePrecision` does). ") + _ANOTHER_OPTIMIZERS_STATE)
+                f"optimizer has {len(self.variables)}{advice}{_ANOTHER_OPTIMIZERS_STATE}")
         mismatched = [f"{variable.path} {tuple(variable.shape)} (saved: {tuple(store[str(i)].shape)})"
                       for i, variable in enumerate(self.variables[:saved])
                       if tuple(store[str(i)].shape) != tuple(variable.shape)]
         if mismatched:
             # Before any assignment: Keras would assign one by one up to the first mismatch.
+            causes = self._mismatch_causes(store)
             raise ValueError(
-                f"{type(self).__name__}: the saved optimizer state does not fit this model's: "
-                f"{'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}. Was it saved "
-                f"from a model with other layer sizes? {_ANOTHER_OPTIMIZERS_STATE}")
+                f"{type(self).__name__}: the saved optimizer state does not fit this model's: " + (
+                    f"{'; '.join(causes)}. " if causes else
+                    f"{'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}. Was it "
+                    "saved from a model with other layer sizes? ") + _ANOTHER_OPTIMIZERS_STATE)
         for i in range(saved):
             self.variables[i].assign(store[str(i)])
         if restart:
