@@ -164,6 +164,25 @@ def test_auto_takes_the_jacobian_where_vectorized_passes_fail_when_they_run():
         np.testing.assert_array_equal(g.numpy(), e.numpy())
 
 
+def test_auto_takes_the_jacobian_for_einsum_dense_layers():
+    """The vectorised gradient of a Keras EinsumDense (also inside MultiHeadAttention) aborts the
+    process in float32 (TensorFlow's oneDNN kernels; VOGN, SLANG and NNG-full on an attention
+    model killed Python): "auto" takes the Jacobian, which gives the loop's gradients."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((4, 3), dtype=F64)
+    attended = keras.layers.MultiHeadAttention(2, 2, dtype=F64)(inputs, inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype=F64)(
+        keras.layers.Flatten(dtype=F64)(attended)))
+    x, y = batch(model)
+    summed = keras.losses.MeanSquaredError(reduction="sum", dtype=F64)
+    with pytest.raises(ValueError, match=r"method='auto' takes the Jacobian for a model with .*"
+                                         r"an EinsumDense"):
+        per_example.per_example_gradients(model, summed, x, y)
+    for g, e in zip(per_example.per_example_gradients(model, keras.losses.mean_squared_error, x, y),
+                    loop_gradients(model, x, y)):
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-10, atol=1e-12)
+
+
 def rows_and_reference(layer, x):
     """Homogeneous input rows, pre-activation gradient rows and loop per-example (kernel, bias)
     gradients for ``loss_n = sum(sin(layer(x_n)))`` (``layer`` linear, so its output is ``s``)."""

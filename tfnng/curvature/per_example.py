@@ -80,8 +80,8 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
     if method == "auto" and _fails_when_vectorized(model):
         return _jacobian_gradients(model, loss_fn, x, y, variables, training,
                                    why="method='auto' takes the Jacobian for a model with a "
-                                       "recurrent layer, a grouped convolution or a "
-                                       "TextVectorization, and")
+                                       "recurrent layer, a grouped convolution, an EinsumDense "
+                                       "or a TextVectorization, and")
     try:
         return _vectorized_gradients(model, loss_fn, x, y, variables, training)
     except (ValueError, TypeError, NotImplementedError, tf.errors.OpError):
@@ -95,11 +95,14 @@ def per_example_gradients(model, loss_fn, x, y, variables=None, method="auto", t
 def _fails_when_vectorized(model):
     """Whether ``model`` has a layer whose pfor-converted pass can fail when it runs (not when
     converted, where "auto" falls back): a recurrent layer, a grouped convolution, a
-    TextVectorization (its string split has a length per example)."""
+    TextVectorization (its string split has a length per example), an EinsumDense (also inside
+    MultiHeadAttention: its vectorised gradient aborts the process in TensorFlow's oneDNN
+    kernels, with no Python exception to fall back on)."""
     layers = model._flatten_layers(include_self=True, recursive=True) if isinstance(
         model, keras.layers.Layer) else []
     convolutions = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-    return any(isinstance(layer, (keras.layers.RNN, keras.layers.TextVectorization))
+    never_vectorized = (keras.layers.RNN, keras.layers.TextVectorization, keras.layers.EinsumDense)
+    return any(isinstance(layer, never_vectorized)
                or (isinstance(layer, convolutions) and layer.groups > 1) for layer in layers)
 
 
