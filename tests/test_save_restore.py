@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_probability as tfp
 
 import tfnng
 
@@ -345,6 +346,70 @@ def test_hyper_parameters_of_a_built_curvature_optimizer_are_fixed(name, setting
                                                  "built.*from_config.*save_weights"):
             setattr(model.optimizer, setting, value)
         assert getattr(model.optimizer, setting) is value
+
+
+def dense_posterior(optimizer):
+    """Mean and dense covariance (float64) of ``optimizer.posterior()``, one pair per part."""
+    posterior = optimizer.posterior()
+    parts = posterior.model.values() if hasattr(posterior, "model") else [posterior]
+    pairs = []
+    for part in parts:
+        mean = np.ravel(part.mean().numpy()).astype(np.float64)
+        if isinstance(part, tfp.distributions.Independent):
+            covariance = np.diag(np.ravel(part.stddev().numpy()).astype(np.float64) ** 2)
+        else:
+            covariance = part.covariance().numpy().astype(np.float64)
+        pairs.append((mean, covariance))
+    return pairs
+
+
+def dense_kl(pairs, prior_variance):
+    """KL(N(m, C) || N(0, eta I)) summed over the parts, from dense matrices."""
+    return sum(0.5 * (np.trace(c) / prior_variance + m @ m / prior_variance - len(m)
+                      - np.linalg.slogdet(c)[1] + len(m) * np.log(prior_variance))
+               for m, c in pairs)
+
+
+@pytest.mark.parametrize("name", ["noisy_kfac", "slang", "noisy_natural_gradient", "vogn"])
+def test_the_state_loaded_into_other_settings_is_the_posterior_of_those_settings(name, tmp_path):
+    """The recipe of docs/which_optimizer.md (save, a new optimizer with another kl_weight, build,
+    load) gives the posterior of the loaded curvature under the new settings, and kl_divergence()
+    is its KL: K-FAC's cached inverses and KL constant, SLANG's diagonal (it holds gamma_in) and
+    NNG-full's Cholesky factor kept the old settings' damping until their next recomputation (up
+    to inverse_every steps for K-FAC, thousands of beta-averaged updates for SLANG)."""
+    model, x, y = trained(*CASES[name])
+    old = model.optimizer
+    old_pairs = dense_posterior(old)
+    model.save_weights(tmp_path / "trained.weights.h5")
+    new = type(old).from_config({**old.get_config(), "kl_weight": 0.1})
+    model.compile(optimizer=new, loss=model.loss, run_eagerly=True, jit_compile=False)
+    new.build(model.trainable_variables)
+    model.load_weights(tmp_path / "trained.weights.h5")
+
+    new_pairs = dense_posterior(new)
+    np.testing.assert_allclose(float(new.kl_divergence()), dense_kl(new_pairs, new.prior_variance),
+                               rtol=1e-5)
+    assert not np.isclose(float(new.kl_divergence()), float(old.kl_divergence()), rtol=1e-2)
+    if name == "noisy_kfac":                          # eq. 13 from the loaded factors A and S
+        gamma = new.intrinsic_damping
+        for block in new._blocks:
+            a, s = (block.state[k].numpy().astype(np.float64) for k in ("a", "s"))
+            pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(s) / len(s)))
+            sigma_1 = np.linalg.inv(a + pi * np.sqrt(gamma) * np.eye(len(a)))
+            sigma_2 = np.linalg.inv(s + np.sqrt(gamma) / pi * np.eye(len(s)))
+            want = new.kl_weight / new.num_examples * np.outer(np.diag(sigma_1), np.diag(sigma_2))
+            got = new.layer_posterior(block.spec.layer)["marginal_variance"].numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+        return
+    # The flat and diagonal families: precision (lambda / N) C^-1 = F_bar + gamma_in I, with the
+    # loaded F_bar, so the new precision is the old one with gamma_in swapped.
+    shift = new.intrinsic_damping - old.intrinsic_damping
+    for (old_mean, old_cov), (new_mean, new_cov) in zip(old_pairs, new_pairs):
+        np.testing.assert_array_equal(new_mean, old_mean)
+        precision = old.kl_weight / old.num_examples * np.linalg.inv(old_cov)
+        want = new.kl_weight / new.num_examples * np.linalg.inv(
+            precision + shift * np.eye(len(precision)))
+        np.testing.assert_allclose(new_cov, want, rtol=1e-4, atol=1e-10)
 
 
 def schedule_assigned_after_construction(n):

@@ -869,8 +869,23 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self.variables[i].assign(store[str(i)])
         if restart:
             self._restart_built_state()
+        elif self._STATE_SETTINGS_KEY in store:
+            saved_settings = json.loads(_decode(store[self._STATE_SETTINGS_KEY]))
+            if saved_settings != self._settings():
+                self._adopt_settings(saved_settings)
         if self.built:
             self._posterior_started.assign(self._means_ready)
+
+    def _adopt_settings(self, saved):
+        """Re-derives, after loading a state saved with other settings (``saved``, their config),
+        what the state caches from the settings: a family that keeps its curvature apart from the
+        damping and reads ``kl_weight / num_examples`` live (the diagonal ones, VOGN) has nothing
+        to do."""
+
+    @staticmethod
+    def _saved_intrinsic_damping(saved):
+        """gamma_in = lambda / (N eta) of the settings a state was saved with."""
+        return saved["kl_weight"] / (saved["num_examples"] * saved["prior_variance"])
 
     def get_config(self):
         config = super().get_config()

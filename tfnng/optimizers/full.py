@@ -57,6 +57,12 @@ class NoisyNaturalGradient(FlatPosteriorOptimizer):
             (dimension, dimension), lambda shape, dtype: root0 * tf.eye(shape[0], dtype=dtype),
             dtype, name="precision_cholesky")
 
+    def _adopt_settings(self, saved):
+        """The cached Cholesky factor of F_bar + gamma_in I, refactorised with this optimizer's
+        gamma_in (the loaded Fisher holds no damping)."""
+        self._chol.assign(tf.cast(_full.cholesky(_full.damped_precision(
+            self._fisher, 1.0, self.intrinsic_damping)), self._chol.dtype))
+
     def _curvature_spec(self, dimension, dtype):
         return (dimension, dimension), "zeros", tf.float64
 

@@ -471,6 +471,15 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             self._update_chain_inverses(chain)
         return tf.constant(True)
 
+    def _adopt_settings(self, saved):
+        """The cached inverses, roots and KL constants hold the saved settings' dampings and noise
+        scale (eq. 13): recomputed from the loaded factors with this optimizer's when those differ
+        (KFAC's from ``damping`` and ``l2``)."""
+        current = self._settings()
+        if any(saved.get(key) != current.get(key) for key in (
+                "kl_weight", "num_examples", "prior_variance", "extrinsic_damping", "damping", "l2")):
+            self._update_inverses()
+
     def _warn_if_eigh_under_xla_on_cpu(self):
         """The inverse updates factorise with ``tf.linalg.eigh``. XLA's CPU eigensolver is about 80
         times slower than LAPACK's (13 s against 0.17 s for a 785 x 785 float64 factor, measured on

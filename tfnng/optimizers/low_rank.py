@@ -70,6 +70,12 @@ class SLANG(FlatPosteriorOptimizer):
             (dimension,), lambda shape, dtype: tf.fill(shape, tf.constant(d0, dtype)), dtype,
             name="diagonal")
 
+    def _adopt_settings(self, saved):
+        """The diagonal holds gamma_in (P = U U^T + diag(d) = F_bar + gamma_in I, whose averaging
+        keeps gamma_in's share exact): the saved settings' is swapped for this optimizer's."""
+        shift = self.intrinsic_damping - self._saved_intrinsic_damping(saved)
+        self._diagonal.assign(self._diagonal + tf.cast(shift, self._diagonal.dtype))
+
     def _curvature_statistic(self, gradients):
         """The per-example gradients themselves: ``update`` weighs their outer products by 1/B."""
         return gradients
