@@ -300,6 +300,30 @@ def test_initial_cache_is_the_one_of_the_initial_factors(block_tridiagonal):
     np.testing.assert_allclose(kl_before, optimizer.kl_divergence().numpy(), rtol=1e-9)
 
 
+@pytest.mark.parametrize("block_tridiagonal", [False, True])
+def test_the_first_monte_carlo_group_samples_from_the_first_batchs_curvature(block_tridiagonal):
+    """With mc_samples=2 the inverses waited for the end of the group, so its second evaluation
+    was drawn from the initial cache, the prior (posterior stddev sqrt(eta) = 1, a loss 20x
+    higher). After one evaluation the cache is the one mc_samples=1 has after its first step: the
+    same evaluation at the initial weights gives the same factors."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)), rng.integers(0, 3, size=16)
+    stddevs = {}
+    for mc_samples in (1, 2):
+        net = _mlp()
+        model = tfnng.BayesianModel(net)
+        model.compile(optimizer=tfnng.optimizers.NoisyKFAC(
+            1e-2, num_examples=6000, fisher="empirical", mc_samples=mc_samples,
+            block_tridiagonal=block_tridiagonal, seed=3),
+            loss=tfnng.losses.CategoricalNLL(dtype="float64"), jit_compile=False)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)           # one evaluation
+        stddevs[mc_samples] = [model.optimizer.posterior_stddev(v).numpy()
+                               for v in net.trainable_variables]
+    for one, two in zip(stddevs[1], stddevs[2]):
+        np.testing.assert_allclose(two, one, rtol=1e-10)
+        assert one.max() < 0.2                                         # not the prior's 1
+
+
 def _cache_variables(block):
     for key in ("a_inv", "s_inv", "a_root", "s_root", "kl_offset"):
         if key in block.state:

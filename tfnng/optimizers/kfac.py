@@ -385,7 +385,9 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             inverse_due = tf.equal(step % self.inverse_every, 0)
             if self.inverse_warmup:
                 inverse_due |= (step < self.inverse_every) & tf.equal(step % self.stats_every, 0)
-            inverse_due &= apply_now            # the last evaluation of an mc_samples group
+            # At the last evaluation of an mc_samples group; in the first group at every one, so
+            # that its later evaluations are not drawn from the initial cache (the prior).
+            inverse_due &= apply_now | tf.equal(step, 0)
             tf.cond(inverse_due, self._update_inverses, lambda: tf.constant(False))
         active = [b for b in self._blocks if b.kernel_index in by_index]
         stats = self._block_statistics(active, by_index)
