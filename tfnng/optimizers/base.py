@@ -790,6 +790,12 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         store[self._STATE_KIND_KEY] = _encode(self._state_kind())
         store[self._STATE_SETTINGS_KEY] = _encode(json.dumps(self._settings()))
 
+    def _saved_settings(self, store):
+        """The settings a state was saved with (None in files saved before they were)."""
+        if self._STATE_SETTINGS_KEY not in store:
+            return None
+        return json.loads(_decode(store[self._STATE_SETTINGS_KEY]))
+
     def _mismatch_causes(self, store):
         """What the store tells of why its state does not fit: the settings it was saved with
         that differ, or the absence of a tfnng optimizer's name."""
@@ -797,9 +803,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             return ["it holds no tfnng optimizer's name: it may be a LossScaleOptimizer's (saved "
                     "under the 'mixed_float16' policy: set the policy it was saved under before "
                     "building the model) or another optimizer's"]
-        if self._STATE_SETTINGS_KEY not in store:
+        saved = self._saved_settings(store)
+        if saved is None:
             return []
-        saved = json.loads(_decode(store[self._STATE_SETTINGS_KEY]))
 
         def shown(name, value):
             return value if name == "learning rate" else repr(value)
@@ -818,6 +824,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         all. Here a saved posterior that does not fit raises instead: skipped, the model would keep
         one weight sample and a posterior restarted from it, silently. So does the state of another
         tfnng optimizer (files saved before the optimizer's name was saved are taken as they are).
+        A state saved with other settings that fits (another ``kl_weight``, say) loads, and
+        :meth:`_adopt_settings` re-derives what the family caches from the settings.
         """
         keys = [key for key in store.keys()
                 if key not in (self._STATE_KIND_KEY, self._STATE_SETTINGS_KEY)]
@@ -869,10 +877,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self.variables[i].assign(store[str(i)])
         if restart:
             self._restart_built_state()
-        elif self._STATE_SETTINGS_KEY in store:
-            saved_settings = json.loads(_decode(store[self._STATE_SETTINGS_KEY]))
-            if saved_settings != self._settings():
-                self._adopt_settings(saved_settings)
+        elif self._saved_settings(store) not in (None, self._settings()):
+            self._adopt_settings(self._saved_settings(store))
         if self.built:
             self._posterior_started.assign(self._means_ready)
 
