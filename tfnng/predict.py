@@ -248,9 +248,15 @@ def predictive_moments(outputs, likelihood):
                 "probs_variance": tf.math.reduce_variance(per_sample, axis=0),
                 "samples": per_sample}
     means, variances = _per_weight_sample(likelihood.mean_and_variance, outputs)
-    epistemic = tf.math.reduce_variance(means, axis=0)
+    # Moments of the deviations from the first sample: a float32 sum of predictions far from 0
+    # (1e5, say) rounds off more than their spread, and the variance about that rounded mean
+    # reported a spread the samples do not have; their deviations from a nearby value are exact.
+    reference = means[0]
+    deviations = means - reference
+    epistemic = tf.math.reduce_variance(deviations, axis=0)
     aleatoric = tf.reduce_mean(variances, axis=0)
-    return {"mean": tf.reduce_mean(means, axis=0), "epistemic_variance": epistemic,
+    return {"mean": reference + tf.reduce_mean(deviations, axis=0),
+            "epistemic_variance": epistemic,
             "aleatoric_variance": aleatoric, "variance": epistemic + aleatoric, "samples": means}
 
 
