@@ -369,17 +369,23 @@ def test_bad_arguments_raise_value_error_before_writing(exported, tmp_path):
     assert not path.exists()
 
 
-def test_an_optimizer_built_for_none_of_the_models_variables_is_refused(tmp_path):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_an_optimizer_built_for_none_of_the_models_variables_is_refused(wrapped, tmp_path):
     """Keras's legacy HDF5 loader builds the optimizer for no variables: predict and export gave
     every weight sample equal to the current weights (epistemic variance 3e-14) without an error,
-    and the KL read 0."""
+    and the KL read 0. A BayesianModel did not load at all ("Unknown layer: 'BayesianModel'": the
+    format keeps the bare class name)."""
     x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer=tfnng.optimizers.NoisyAdam(1e-2, num_examples=8),
-                  loss=tfnng.losses.GaussianNLL())
+    optimizer = tfnng.optimizers.NoisyAdam(1e-2, num_examples=8)
+    if wrapped:
+        model = tfnng.BayesianModel(model)
+        optimizer = tfnng.optimizers.NoisyKFAC(1e-2, num_examples=8)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL())
     model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0)
     model.save(tmp_path / "m.h5")
     legacy = keras.models.load_model(tmp_path / "m.h5")
+    assert type(legacy) is type(model) and type(legacy.optimizer) is type(optimizer)
     assert legacy.optimizer.built and not legacy.optimizer._trainable_variables
     for use in (lambda: tfnng.predict(legacy, x, num_samples=4),
                 lambda: serving.export(legacy, tmp_path / "served"),

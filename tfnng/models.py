@@ -853,3 +853,9 @@ class BayesianModel(keras.Model):
         config = dict(config)
         net = keras.saving.deserialize_keras_object(config.pop("net"), custom_objects=custom_objects)
         return cls(net, **config)
+
+
+# Keras's legacy HDF5 format saves a model's bare class name, which the registration above
+# ("tfnng>BayesianModel") does not match: registered under it too, so that such a file loads
+# (with an optimizer that has no posterior, as docs/saving.md says).
+keras.saving.get_custom_objects().setdefault("BayesianModel", BayesianModel)
