@@ -261,7 +261,7 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
     @property
     def intrinsic_damping(self):
         """gamma_in = lambda / (N eta), NNG sec. 3.2 and Alg. 1-2."""
-        return self.kl_weight / (self.num_examples * self.prior_variance)
+        return _intrinsic_damping(self.kl_weight, self.num_examples, self.prior_variance)
 
     def _sampling_variance(self, curvature, damping):
         """The NNG sampling variance ``(lambda/N) / (curvature + damping)`` (NNG eq. 9, Alg. 1)."""
@@ -877,8 +877,8 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             self.variables[i].assign(store[str(i)])
         if restart:
             self._restart_built_state()
-        elif self._saved_settings(store) not in (None, self._settings()):
-            self._adopt_settings(self._saved_settings(store))
+        elif (saved_settings := self._saved_settings(store)) not in (None, self._settings()):
+            self._adopt_settings(saved_settings)
         if self.built:
             self._posterior_started.assign(self._means_ready)
 
@@ -887,11 +887,6 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         what the state caches from the settings: a family that keeps its curvature apart from the
         damping and reads ``kl_weight / num_examples`` live (the diagonal ones, VOGN) has nothing
         to do."""
-
-    @staticmethod
-    def _saved_intrinsic_damping(saved):
-        """gamma_in = lambda / (N eta) of the settings a state was saved with."""
-        return saved["kl_weight"] / (saved["num_examples"] * saved["prior_variance"])
 
     def get_config(self):
         config = super().get_config()
@@ -907,6 +902,11 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             "nonfinite": self.nonfinite,
         })
         return config
+
+
+def _intrinsic_damping(kl_weight, num_examples, prior_variance):
+    """gamma_in = lambda / (N eta) (NNG sec. 3.2), of an optimizer's settings or saved ones."""
+    return kl_weight / (num_examples * prior_variance)
 
 
 @functools.cache

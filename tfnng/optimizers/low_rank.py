@@ -5,7 +5,7 @@ import tensorflow as tf
 import tensorflow_probability as tfp
 
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
-from tfnng.optimizers.base import _non_negative_int, _positive_int
+from tfnng.optimizers.base import _intrinsic_damping, _non_negative_int, _positive_int
 from tfnng.posteriors import low_rank as _low_rank
 
 
@@ -73,7 +73,8 @@ class SLANG(FlatPosteriorOptimizer):
     def _adopt_settings(self, saved):
         """The diagonal holds gamma_in (P = U U^T + diag(d) = F_bar + gamma_in I, whose averaging
         keeps gamma_in's share exact): the saved settings' is swapped for this optimizer's."""
-        shift = self.intrinsic_damping - self._saved_intrinsic_damping(saved)
+        shift = self.intrinsic_damping - _intrinsic_damping(
+            saved["kl_weight"], saved["num_examples"], saved["prior_variance"])
         self._diagonal.assign(self._diagonal + tf.cast(shift, self._diagonal.dtype))
 
     def _curvature_statistic(self, gradients):
