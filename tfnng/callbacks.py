@@ -176,9 +176,16 @@ _HISTOGRAM = _metadata("histograms")
 
 def histogram_buckets(values, bucket_count=30):
     """TensorBoard's histogram tensor: ``(k, 3)`` float64 rows ``[left edge, right edge, count]``
-    of ``bucket_count`` equal-width buckets over the finite values (``numpy.histogram``)."""
+    of ``bucket_count`` equal-width buckets over the finite values (``numpy.histogram``). Values
+    too close together for that many buckets (a constant array, or float64 standard deviations a
+    few ulps apart) get buckets spanning one unit of their magnitude around them."""
     values = np.asarray(values, np.float64).ravel()
-    counts, edges = np.histogram(values[np.isfinite(values)], bins=bucket_count)
+    finite = values[np.isfinite(values)]
+    low, high = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
+    if not np.all(np.diff(np.linspace(low, high, bucket_count + 1)) > 0):
+        half_width = 0.5 * max(1.0, abs(low), abs(high))
+        low, high = low - half_width, high + half_width
+    counts, edges = np.histogram(finite, bins=bucket_count, range=(low, high))
     return np.stack([edges[:-1], edges[1:], counts], axis=1)
 
 
