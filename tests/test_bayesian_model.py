@@ -674,12 +674,16 @@ def test_a_net_that_overrides_compute_loss_is_refused():
 @pytest.mark.parametrize("make_optimizer", [
     lambda n: tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=n, seed=0),
     lambda n: tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=n, seed=0)])
-def test_a_loss_keyed_by_the_nets_output_name_trains_as_the_loss_itself(make_optimizer):
+def test_a_loss_keyed_by_the_nets_output_name_or_given_as_a_class_trains_as_the_loss_itself(
+        make_optimizer):
     """Keras matches a dict loss against ``model.output_names``, which the wrapper takes from its
-    net (the first step failed with "'NoneType' object is not iterable")."""
+    net (the first step failed with "'NoneType' object is not iterable"). Keras also takes a loss
+    class for its default instance, which the true Fisher's sampler was handed as it is
+    ("sample() missing 1 required positional argument")."""
     x, y = classification_data(n=32)
     results = []
-    for loss in (tfnng.losses.CategoricalNLL(), {"logits": tfnng.losses.CategoricalNLL()}):
+    for loss in (tfnng.losses.CategoricalNLL(), {"logits": tfnng.losses.CategoricalNLL()},
+                 tfnng.losses.CategoricalNLL):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
         hidden = keras.layers.Dense(8, activation="tanh")(inputs)
@@ -688,9 +692,12 @@ def test_a_loss_keyed_by_the_nets_output_name_trains_as_the_loss_itself(make_opt
         history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
         results.append((history["loss"], [v.numpy() for v in model.trainable_variables]))
     assert model.output_names == ["logits"]
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    for first, second in zip(results[0][1], results[1][1]):
-        np.testing.assert_array_equal(first, second)
+    for other in results[1:]:
+        np.testing.assert_array_equal(results[0][0], other[0])
+        for first, second in zip(results[0][1], other[1]):
+            np.testing.assert_array_equal(first, second)
+    probabilities = tfnng.predict(model, x[:4], num_samples=3).probs
+    np.testing.assert_allclose(np.sum(probabilities, axis=-1), 1.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("make_optimizer, joint", [

@@ -151,6 +151,25 @@ def test_categorical_soft_labels_give_cross_entropy():
     np.testing.assert_allclose(CategoricalNLL().log_prob(soft, logits), expected, rtol=1e-5)
 
 
+def test_categorical_one_hot_labels_score_a_class_masked_by_minus_infinity():
+    """A logit of -inf (a class masked out) with one-hot or soft labels: 0 log 0 counts as 0, as
+    with class ids (it gave NaN: 0 * -inf), and the gradient stays finite."""
+    logits = tf.constant([[1.0, -np.inf, 0.5], [0.0, 2.0, -np.inf]])
+    log_softmax = special.log_softmax(logits.numpy().astype(np.float64), axis=-1)
+    ids = np.array([0, 1])
+    soft = np.array([[0.5, 0.0, 0.5], [0.0, 1.0, 0.0]], np.float32)
+    expected = {"ids": log_softmax[[0, 1], ids],
+                "one-hot": log_softmax[[0, 1], ids],
+                "soft": [0.5 * (log_softmax[0, 0] + log_softmax[0, 2]), log_softmax[1, 1]]}
+    for kind, y_true in (("ids", ids), ("one-hot", np.eye(3, dtype=np.float32)[ids]),
+                         ("soft", soft)):
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            log_p = CategoricalNLL().log_prob(y_true, logits)
+        np.testing.assert_allclose(log_p, expected[kind], rtol=1e-6, err_msg=kind)
+        assert np.all(np.isfinite(tape.gradient(log_p, logits).numpy())), kind
+
+
 def test_bernoulli_log_prob_matches_scipy():
     logits = RNG.normal(size=(7, 1)).astype(np.float32) * 3
     y = RNG.integers(0, 2, size=7)
@@ -248,6 +267,24 @@ def test_half_precision_loss_dtype_is_refused(make, dtype):
     2048 and a target of 70000 gave a NaN loss, silently."""
     with pytest.raises(ValueError, match="would round"):
         make(dtype)
+
+
+@pytest.mark.parametrize("floatx", ["float16", "bfloat16"])
+def test_losses_with_their_dtype_unset_work_under_a_half_precision_floatx(floatx):
+    """The refusal above is for a half-precision dtype given to the loss; Keras fills an unset
+    dtype from floatx, which under float16 refused every loss made without a dtype."""
+    previous = keras.config.floatx()
+    keras.config.set_floatx(floatx)
+    try:
+        losses = (CategoricalNLL(), BernoulliNLL(), GaussianNLL(1.0))
+    finally:
+        keras.config.set_floatx(previous)
+    logits = tf.constant([[0.5, -1.0, 2.0]], floatx)
+    value = losses[0](np.array([2]), logits)
+    assert value.dtype == tf.float32
+    expected = -special.log_softmax(tf.cast(logits, tf.float32).numpy(), axis=-1)[0, 2]
+    assert float(value) == pytest.approx(expected, rel=1e-6)
+    assert [loss.get_config()["dtype"] for loss in losses] == [None] * 3
 
 
 def test_float64_loss_keeps_large_class_ids():

@@ -73,14 +73,18 @@ MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 def single_loss(loss):
     """``loss``, or the one loss of a one-element list, tuple or dict (Keras accepts ``loss=[l]``
-    or ``{"output": l}`` for a model with one output); a structure of several is returned as is."""
+    or ``{"output": l}`` for a model with one output); a structure of several is returned as is.
+    A Keras loss class stands for its instance with default arguments, as in Keras's ``compile``."""
     if isinstance(loss, dict):
         losses = list(loss.values())
     elif isinstance(loss, (list, tuple)):
         losses = list(loss)
     else:
+        losses = [loss]
+    if len(losses) != 1:
         return loss
-    return losses[0] if len(losses) == 1 else loss
+    (loss,) = losses
+    return loss() if isinstance(loss, type) and issubclass(loss, keras.losses.Loss) else loss
 
 
 def single_output(output, caller):
@@ -134,7 +138,7 @@ class LikelihoodLoss(keras.losses.Loss):
             require_mean_reduction(type(self).__name__, reduction)
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         self._follows_output = dtype is None
-        if self.dtype in ("float16", "bfloat16"):
+        if not self._follows_output and self.dtype in ("float16", "bfloat16"):
             # Keras casts y_true and y_pred to this dtype before ``call``: class ids above 2048
             # (float16) or 256 (bfloat16) and large regression targets would be rounded silently.
             raise ValueError(
@@ -382,7 +386,7 @@ class CategoricalNLL(LikelihoodLoss):
         log_p = tf.nn.log_softmax(logits, axis=-1)
         if kind == "ids":
             return tf.gather(log_p, labels, axis=-1, batch_dims=1)
-        return tf.reduce_sum(labels * log_p, axis=-1)
+        return tf.reduce_sum(tf.math.multiply_no_nan(log_p, labels), axis=-1)   # 0 log 0 = 0
 
     def call(self, y_true, y_pred):
         """Per-example cross-entropy, -``log_prob``."""
