@@ -435,6 +435,34 @@ def test_the_generic_paths_true_fisher_samples_its_targets_from_its_own_inferenc
     assert np.all((ratio > 0.4) & (ratio < 2.0)), ratio
 
 
+class MaskLastClass(keras.layers.Layer):
+    """Forbids the last class: its logit becomes -inf."""
+
+    def call(self, logits):
+        return tf.where([True, True, False], logits, tf.constant(-np.inf, logits.dtype))
+
+
+def test_the_true_fishers_targets_never_take_a_class_masked_by_minus_infinity():
+    """The target sampler replaced every non-finite logit by 0, so a class masked out with -inf
+    was drawn (here for a fifth of the examples), whose gradient -p made the curvature wrong. The
+    kernel's per-example gradient for class k is 1[y = k] - p_k (input 1): E[(.)^2] = p_k (1 - p_k)
+    under the model's own predictive."""
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((1,), dtype=F64),
+                            keras.layers.Dense(3, use_bias=False, dtype=F64,
+                                               kernel_initializer=keras.initializers.Constant(
+                                                   [[0.0, 1.0, 0.5]])),
+                            MaskLastClass(dtype=F64)])
+    batch = 4000
+    optimizer = vogn_after_one_batch(net, tfnng.losses.CategoricalNLL(dtype=F64),
+                                     tf.ones((batch, 1), F64), tf.zeros(batch, tf.int32),
+                                     fisher="true")
+    p = np.exp([0.0, 1.0]) / np.sum(np.exp([0.0, 1.0]))
+    curvature = optimizer._squared_gradient_mean(0).numpy().ravel()
+    assert curvature[2] == 0.0
+    np.testing.assert_allclose(curvature[:2], p * (1 - p), atol=0.012)   # ~4 standard errors
+
+
 class Scaled(keras.layers.Layer):
     """Multiplies its input by one learned scalar (no fast path)."""
 

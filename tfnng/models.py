@@ -242,10 +242,13 @@ def _single_likelihood(loss_fn, purpose, alternative):
 
 def _sampled_targets(likelihood, output, seed):
     """Targets drawn from the predictive ``likelihood`` of ``output`` (the true Fisher's) with the
-    stateless ``seed`` of :func:`_target_seed`. Non-finite outputs (a diverging step) would make the
-    sampler return invalid targets: they are drawn from a finite stand-in (the statistics are
-    non-finite anyway and get skipped)."""
-    finite = tf.where(tf.math.is_finite(output), output, tf.zeros_like(output))
+    stateless ``seed`` of :func:`_target_seed`. Non-finite outputs would make the sampler return
+    invalid targets (class ids out of range): they are drawn from a finite stand-in, NaN as 0 (a
+    diverging step, whose statistics are non-finite and skipped) and +-inf as the largest finite
+    values, so that a class masked out by a -inf logit keeps probability 0."""
+    largest = output.dtype.max
+    finite = tf.clip_by_value(tf.where(tf.math.is_nan(output), tf.zeros_like(output), output),
+                              -largest, largest)
     return tf.stop_gradient(likelihood.sample(tf.stop_gradient(finite), seed=seed))
 
 
