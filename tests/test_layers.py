@@ -293,6 +293,31 @@ def test_config_round_trip():
     assert serialized["registered_name"] == "tfnng>NoisePrecision"
 
 
+def test_settings_are_fixed_once_built_and_the_documented_way_to_change_them_works():
+    """kl_weight set on a built layer (a Sequential with an Input builds it at once) reached the KL
+    term but not the natural-gradient step made at build: q(tau) then oscillated at step size 1
+    instead of landing on the tempered optimum."""
+    layer = NoisePrecision(40, name="noise")
+    layer.kl_weight = 2.0                             # not built yet: the constructor's value
+    net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False), layer])
+    for name in ("kl_weight", "num_examples", "prior_shape", "prior_rate"):
+        with pytest.raises(AttributeError, match=f"NoisePrecision.{name} is fixed once the layer"):
+            setattr(layer, name, 3.0)
+    assert layer.kl_weight == 2.0
+    net.layers[0].set_weights([np.zeros((1, 1), np.float32)])
+    y = np.random.default_rng(3).normal(scale=0.7, size=(40, 1)).astype(np.float32)
+    tempered = NoisePrecision.from_config({**layer.get_config(), "kl_weight": 4.0})
+    net = keras.Sequential([keras.Input((1,)), net.layers[0], tempered])
+    tempered.set_weights(layer.get_weights())
+    net.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=1.0, num_examples=40),
+                loss=GaussianNLL("learned"))
+    for _ in range(2):      # the step capped at 1 / w lands on the fixed point (docs/math.md)
+        net.fit(np.zeros((40, 1), np.float32), y, batch_size=40, verbose=0)
+        expected = [6.0 + 40 / (2 * 4.0), 6.0 + 0.5 * np.sum(y.astype(np.float64) ** 2) / 4.0]
+        np.testing.assert_allclose([float(tempered.alpha[0]), float(tempered.beta[0])], expected,
+                                   rtol=1e-4)
+
+
 def test_save_and_load_model_without_custom_objects(tmp_path):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(50, 3)).astype(np.float32)

@@ -105,7 +105,24 @@ class NoisePrecision(keras.layers.Layer):
         prior_shape, prior_rate: a0 and b0 of the Gamma prior.
         kl_weight: non-negative multiplier of the KL term (1 gives the ELBO).
         initial_shape, initial_rate: initial alpha and beta.
+
+    ``num_examples``, ``prior_shape``, ``prior_rate`` and ``kl_weight`` are fixed once the layer is
+    built (a ``Sequential`` with an ``Input`` builds it at once): the natural-gradient step is made
+    with them then, and compiled steps keep them. For other values make a new layer from
+    ``get_config()`` and copy the weights with ``set_weights``.
     """
+
+    _FIXED_ONCE_BUILT = ("num_examples", "prior_shape", "prior_rate", "kl_weight")
+
+    def __setattr__(self, name, value):
+        if name in self._FIXED_ONCE_BUILT and getattr(self, "built", False):
+            raise AttributeError(
+                f"NoisePrecision.{name} is fixed once the layer is built: its natural-gradient "
+                "step and KL term were made with the old value, and a compiled training step "
+                f"keeps it. Pass {name} to the constructor, or build a new layer with "
+                f"`NoisePrecision.from_config({{**layer.get_config(), '{name}': ...}})` and copy "
+                "the weights with `new_layer.set_weights(layer.get_weights())`.")
+        super().__setattr__(name, value)
 
     def __init__(
         self,
