@@ -582,3 +582,55 @@ def test_inputs_are_served_in_keras_float_type(float64_keras, tmp_path):
     steps = np.diff(samples.numpy()[:, 0, 0])        # one weight sample: w (x + 1) - w x = w
     assert steps.dtype == np.float64 and np.all(np.abs(steps) > 0)
     np.testing.assert_allclose(steps[0], steps[1], rtol=1e-6)
+
+
+class Offset(keras.layers.Layer):
+    """Adds a constant held in a plain ``tf.Variable`` (state outside Keras's variables)."""
+
+    def build(self, input_shape):
+        self.offset = tf.Variable(2.0, trainable=False)
+
+    def call(self, x):
+        return x + self.offset
+
+
+def test_the_signature_takes_the_models_declared_input_dtype_and_keeps_its_lookup_tables(tmp_path):
+    """Integer ids were served as float32 (1e8 + 1, + 2 and + 3 all became 1e8), and a model
+    holding TensorFlow state outside Keras variables (IntegerLookup's hash table, a plain
+    tf.Variable) failed to export ("Tried to export a function which references an 'untracked'
+    resource")."""
+    ids = np.array([[100_000_001], [100_000_002], [100_000_003]], np.int64)
+    targets = np.array([[-2.0], [0.0], [2.0]], np.float32)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,), dtype="int64"),
+                              keras.layers.IntegerLookup(vocabulary=ids.ravel()),
+                              keras.layers.Embedding(4, 4), keras.layers.Flatten(),
+                              keras.layers.Dense(1), Offset()])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(learning_rate=0.05, num_examples=48, seed=0),
+                  loss=tfnng.losses.GaussianNLL(0.01))
+    model.fit(np.repeat(ids, 16, axis=0), np.repeat(targets, 16, axis=0), batch_size=16,
+              epochs=60, verbose=0)
+    serving.export(model, tmp_path / "ids", num_samples=NUM_SAMPLES, outputs=("mean",))
+    seeded = tf.saved_model.load(str(tmp_path / "ids")).signatures["seeded"]
+    assert seeded.structured_input_signature[1]["inputs"].dtype == tf.int64
+    served = seeded(inputs=tf.constant(ids), seed=tf.constant(SEED_A, tf.int64))["mean"].numpy()
+    np.testing.assert_allclose(served, targets, atol=0.3)
+    np.testing.assert_allclose(served, tfnng.predict(model, ids, num_samples=NUM_SAMPLES).mean,
+                               atol=0.1)
+
+
+def test_a_declared_float64_input_is_served_in_float64_under_a_float32_floatx(tmp_path):
+    """A model declared with keras.Input(dtype="float64") and float64 layers was served float32."""
+    x = np.random.default_rng(0).normal(size=(32, 1))
+    model = keras.Sequential([keras.Input((1,), dtype="float64"),
+                              keras.layers.Dense(1, dtype="float64")])
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(1e-2, num_examples=32, seed=1),
+                  loss=tfnng.losses.GaussianNLL(noise_variance=0.5))
+    model.fit(x, 2 * x, batch_size=8, epochs=1, verbose=0)
+    serving.export(model, tmp_path / "f64", num_samples=1, outputs=("samples",))
+    seeded = tf.saved_model.load(str(tmp_path / "f64")).signatures["seeded"]
+    inputs = tf.constant([[1e8 + 1.0], [1e8 + 2.0], [1e8 + 3.0]], tf.float64)
+    samples = seeded(inputs=inputs, seed=tf.constant([1, 2], tf.int64))["samples"].numpy()
+    steps = np.diff(samples[:, 0, 0])                 # w (x + 1) - w x = w
+    assert np.all(np.abs(steps) > 0)
+    np.testing.assert_allclose(steps[0], steps[1], rtol=1e-6)

@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from tfnng import _random
 from tfnng import losses as _losses
-from tfnng.models import unwrap_optimizer
+from tfnng.models import BayesianModel, unwrap_optimizer
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
 from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 from tfnng.optimizers.kfac import NoisyKFAC
@@ -265,18 +265,34 @@ def _fresh_seed():
         maxval=tf.constant(np.iinfo(np.int64).max, tf.int64), seed=0, seed2=0)
 
 
+def _input_dtype(model):
+    """The dtype the model declares for its one input (``keras.Input(dtype=...)``, of the net in a
+    ``tfnng.BayesianModel``): integer ids and float64 inputs pass unrounded. A model without a
+    declared input gets Keras's float type, as its data adapter feeds."""
+    inputs = getattr(model.net if isinstance(model, BayesianModel) else model, "inputs", None)
+    return inputs[0].dtype if inputs and len(inputs) == 1 else keras.config.floatx()
+
+
 def _tensor_specs(model):
-    """The ``inputs`` spec (Keras's float type, as its data adapter feeds) and the output spec of
-    ``model``."""
+    """The ``inputs`` spec and the output spec of ``model``."""
     try:
         shape = (None,) + tuple(model.input_shape[1:])
-        output = model.compute_output_spec(keras.KerasTensor(shape))
+        dtype = _input_dtype(model)
+        output = model.compute_output_spec(keras.KerasTensor(shape, dtype))
     except (AttributeError, TypeError, ValueError) as error:
         raise ValueError("tfnng.serving.export supports built models with one input tensor of known "
                          f"shape (`model.input_shape`): {error}") from error
     output = _losses.single_output(output, "tfnng.serving.export")
-    return (tf.TensorSpec(shape, keras.config.floatx(), name="inputs"),
+    return (tf.TensorSpec(shape, dtype, name="inputs"),
             tf.TensorSpec(output.shape, output.dtype))
+
+
+def _untracked_resources(model):
+    """TensorFlow state the model's layers hold outside Keras variables (the hash table of a
+    ``keras.layers.IntegerLookup``, a plain ``tf.Variable``): the exported functions read it, so the
+    SavedModel must keep it."""
+    return [value for layer in model._flatten_layers() for value in vars(layer).values()
+            if isinstance(value, (tf.saved_model.experimental.TrackableResource, tf.Variable))]
 
 
 # Folded into each sample's seed for the states of the model's Keras seed generators (a stream
@@ -297,6 +313,7 @@ class _Predictive(tf.Module):
         super().__init__()
         self.samplers = _posterior_samplers(model, optimizer)
         self.non_trainable = [_snapshot(v.value) for v in model.non_trainable_variables]
+        self.model_resources = _untracked_resources(model)
         # The Keras model and the likelihood are captured by closure: needed only while tracing.
         num_trainable = len(model.trainable_variables)
         num_noise = sum(len(sampler.noise_specs) for sampler in self.samplers)
