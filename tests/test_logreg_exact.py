@@ -183,11 +183,50 @@ def test_elbo_is_the_quadrature_of_each_predictor_minus_the_kl_to_the_prior():
     np.testing.assert_allclose(logreg.elbo(*args).numpy(), expected_log_lik - kl, rtol=1e-8)
 
 
-def test_predictive_probability_is_the_gaussian_average_of_the_sigmoid():
-    """p(y=1|x) = E[sigmoid(f)], f ~ N(x^T mu, x^T Sigma x) with a dense Sigma (not sigmoid(x^T mu))."""
+def test_predictive_log_probability_is_the_log_gaussian_average_of_the_sigmoid():
+    """p(y=1|x) = E[sigmoid(f)], f ~ N(x^T mu, x^T Sigma x) with a dense Sigma (not sigmoid(x^T mu)),
+    for both labels; also for a confidently wrong prediction of label 0, which was computed as
+    log(1 - E[sigmoid(f)]) and at f ~ N(40, 0.5^2) gave 36.74 nats instead of 39.875."""
     x, _, q, _ = _toy_gaussian()
     expected = _gaussian_expectations(*_predictor_moments(x, q), special.expit)
-    np.testing.assert_allclose(logreg.predictive_probability(x, q), expected, rtol=1e-8, atol=1e-9)
+    for label, probability in ((1.0, expected), (0.0, 1.0 - expected)):
+        log_p = logreg.predictive_log_probability(x, np.full(len(x), label), q)
+        np.testing.assert_allclose(np.exp(log_p), probability, rtol=1e-8, atol=1e-9)
+    for label, mean in ((0.0, 40.0), (1.0, -40.0)):   # E[sigmoid(-|f|)] = E[e^-|f|] (1 + O(e^-35))
+        far = logreg.Gaussian(np.array([mean]), np.array([[0.25]]))
+        log_p = logreg.predictive_log_probability(np.ones((1, 1)), np.array([label]), far)
+        np.testing.assert_allclose(log_p, [-40.0 + 0.25 / 2], rtol=1e-9)
+
+
+def test_symmetric_kl_of_a_gaussian_to_itself_is_zero_not_negative():
+    """Round-off made it -1e-15 for some 11-dimensional Gaussians, printed as "-0.000 ± 0.000"."""
+    rng = np.random.default_rng(0)
+    values = []
+    for _ in range(50):
+        factor = rng.normal(size=(11, 11))
+        gaussian = logreg.Gaussian(rng.normal(size=11), factor @ factor.T + 0.1 * np.eye(11))
+        values.append(logreg.symmetric_kl(gaussian, gaussian))
+    assert min(values) >= 0.0 and max(values) < 1e-12
+
+
+def test_converged_means_the_gradient_tolerance_was_met():
+    """L-BFGS also stops when its line search can no longer move the position (float64 resolution):
+    that was reported as converged with a gradient far above the tolerance."""
+    def stiff(params, x, y, prior_precision):       # resolution 1e-16 * 2e10: gradients of ~1e-6
+        return 1e10 * tf.reduce_sum(tf.square(params - 1.0 / 3.0)) + tf.reduce_sum(tf.sin(params))
+
+    split = logreg.Split(np.zeros((2, 2)), np.zeros(2), np.zeros((2, 2)), np.zeros(2), np.ones(2))
+    _, info = logreg._minimize(stiff, np.zeros(2), split)
+    assert info["converged"] == (info["gradient_sup_norm"] <= logreg.LBFGS_TOLERANCE)
+    assert not info["converged"]
+
+
+def test_quadrature_with_too_many_nodes_is_a_clear_error():
+    """numpy's rule gave NaN weights from about 380 nodes, and the ELBO came out NaN silently."""
+    x, y, q, precision = _toy_gaussian()
+    args = [tf.constant(v) for v in (x, y, precision, q.mean, np.linalg.cholesky(q.covariance))]
+    with pytest.raises(ValueError, match="overflows at 400 nodes"):
+        logreg.elbo(*args, points=400)
 
 
 def test_evaluate_scores_the_test_split_and_divides_the_elbo_by_the_training_size():
