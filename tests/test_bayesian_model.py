@@ -387,6 +387,37 @@ def test_hand_written_loop():
     assert np.isfinite(losses).all() and np.mean(losses[-5:]) < losses[0]
 
 
+def test_a_block_given_only_its_bias_gradient_steps_as_with_a_zero_kernel_gradient():
+    """A Kronecker block received in a hand-written loop with its bias gradient alone crashed in
+    the diagonal step ("'NoneType' object has no attribute 'assign'"); its kernel, without a
+    gradient, now gets zeros, as a bias without one always did. A kernel frozen on its own while
+    its bias trains is refused: the block's posterior covers both."""
+    x, y = classification_data(n=16)
+    results = []
+    for kernel_gradient in ("left out", "zeros"):
+        keras.utils.set_random_seed(6)
+        net = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        capture = cap.LayerCapture(net)
+        optimizer = tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=16, seed=6)
+        optimizer.prepare_curvature(capture.specs)
+        optimizer.build(net.trainable_variables)
+        for _ in range(2):
+            _, _, grads, curvature = tfnng.models.gradients_and_curvature(
+                net, capture, optimizer, tfnng.losses.CategoricalNLL(), x, y,
+                seed=keras.random.SeedGenerator(0))
+            kernel, bias = net.layers[0].kernel, net.layers[0].bias
+            pairs = [(grads[1], bias)] + (
+                [(tf.zeros_like(grads[0]), kernel)] if kernel_gradient == "zeros" else [])
+            optimizer.apply_gradients(pairs, curvature=curvature)
+        results.append([v.numpy() for v in net.trainable_variables]
+                       + [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables])
+    for left_out, zeros in zip(*results):
+        np.testing.assert_array_equal(left_out, zeros)
+    kernel.trainable = False
+    with pytest.raises(ValueError, match="kernel no longer trainable .*freeze the whole layer"):
+        optimizer.apply_gradients([(grads[1], bias)], curvature=curvature)
+
+
 def test_hand_written_loop_with_the_nets_losses_equals_fit():
     """docs/kfac.md's loop with ``compute_loss`` adding ``net.losses`` (a kernel regulariser here)
     gives BayesianModel.fit's posterior on the same batches and seeds, bit for bit."""

@@ -1120,6 +1120,68 @@ def test_layers_on_the_generic_path_are_named_once_at_build(make, caplog):
     assert [path.rsplit("/", 1)[-1] for path in listed] == ["wiggle"], messages   # not "out", "noise_precision"
 
 
+@pytest.mark.parametrize("make", [
+    lambda: tfnng.optimizers.SLANG(0.01, num_examples=1000, rank=2, seed=0),
+    lambda: tfnng.optimizers.NoisyNaturalGradient(0.01, num_examples=1000, seed=0)],
+    ids=["SLANG", "NNG-full"])
+def test_a_float64_layer_after_a_float32_one_keeps_its_precision(make):
+    """The flat posterior took the dtype of the first Bayesian variable: a float64 layer after a
+    float32 one was rounded to float32 at every step (its mean moved at learning rate 0), and
+    posterior_stddev of the float32 layer came back in float64."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.integers(0, 2, size=32)
+    for learning_rate in (0.0, 0.01):
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                                keras.layers.Dense(2, dtype=F64)])
+        kernel = net.layers[1].kernel
+        kernel.assign(kernel.numpy() + 1e-12)           # digits that float32 cannot hold
+        initial = kernel.numpy()
+        model = tfnng.BayesianModel(net)
+        optimizer = make()
+        optimizer.learning_rate = learning_rate
+        model.compile(optimizer=optimizer, loss=tfnng.losses.CategoricalNLL())
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        mean = optimizer.posterior_mean(kernel).numpy()
+        if learning_rate == 0.0:
+            np.testing.assert_array_equal(mean, initial)
+        else:
+            assert np.any(mean != mean.astype(np.float32).astype(np.float64))
+        for variable in net.trainable_variables:
+            assert optimizer.posterior_mean(variable).dtype == variable.dtype
+            assert optimizer.posterior_stddev(variable).dtype == variable.dtype
+            assert variable.dtype == ("float64" if variable.path.startswith(net.layers[1].path)
+                                      else "float32")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tfnng.optimizers.SLANG(0.05, num_examples=32, rank=2, seed=3),
+    lambda: tfnng.optimizers.NoisyNaturalGradient(0.05, num_examples=32, seed=3),
+    lambda: tfnng.optimizers.VOGN(0.05, num_examples=32, seed=3)], ids=["SLANG", "NNG-full", "VOGN"])
+def test_a_layer_frozen_in_a_hand_written_loop_is_left_alone_or_refused(make):
+    """SLANG and NNG-full moved a layer frozen after the build (its mean, and a new sample written
+    into it at every step) although the loop no longer passed it: they now refuse, naming it;
+    VOGN, whose posterior is per variable, leaves it alone."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                            keras.layers.Dense(1)])
+    optimizer = make()
+    step = make_step(net, optimizer, tfnng.losses.GaussianNLL(noise_variance=0.5), compiled=False)
+    step(x[:8], y[:8])
+    net.layers[0].trainable = False
+    kernel = net.layers[0].kernel
+    before = kernel.numpy(), optimizer.posterior_mean(kernel).numpy()
+    if isinstance(optimizer, tfnng.optimizers.VOGN):
+        step(x[8:], y[8:])
+        np.testing.assert_array_equal(kernel.numpy(), before[0])
+        np.testing.assert_array_equal(optimizer.posterior_mean(kernel).numpy(), before[1])
+    else:
+        with pytest.raises(ValueError, match=f"{kernel.path}.* no longer trainable .*jointly"):
+            step(x[8:], y[8:])
+
+
 def test_freezing_a_generic_path_layer_after_build_says_why_it_fails():
     """SLANG/NNG-full hold one posterior over the variables they were built for: a layer frozen
     afterwards (here one without a fast path) is named as frozen, not just as missing."""

@@ -151,9 +151,9 @@ class _Flat(tf.Module):
     """``w = mu + sqrt(lambda/N) perturb(state, eps)`` of the families that couple all weights
     (SLANG, NoisyNaturalGradient: :class:`tfnng.optimizers._flat.FlatPosteriorOptimizer`)."""
 
-    def __init__(self, positions, shapes, mean, state, perturb, scale):
+    def __init__(self, positions, shapes, dtypes, mean, state, perturb, scale):
         super().__init__()
-        self.positions, self.shapes = positions, shapes
+        self.positions, self.shapes, self.dtypes = positions, shapes, dtypes
         self.mean = _snapshot(mean)
         self.state = {key: _snapshot(value) for key, value in state.items()}
         self.perturb, self.scale = perturb, scale
@@ -163,13 +163,14 @@ class _Flat(tf.Module):
         state = {key: tf.convert_to_tensor(value) for key, value in self.state.items()}
         sample = self.mean + self.scale * self.perturb(state, noise[0])
         parts = tf.split(sample, [int(np.prod(shape)) for shape in self.shapes])
-        return {p: tf.reshape(part, shape) for p, part, shape in zip(self.positions, parts, self.shapes)}
+        return {p: tf.cast(tf.reshape(part, shape), dtype)
+                for p, part, shape, dtype in zip(self.positions, parts, self.shapes, self.dtypes)}
 
 
 def _flat_sampler(optimizer, positions):
     variables = [optimizer._trainable_variables[i] for i in optimizer._flat_indices]
     return _Flat([positions[id(v)] for v in variables], [tuple(v.shape) for v in variables],
-                 optimizer._flat_mean(), optimizer.sampling_state(), optimizer.perturb,
+                 [v.dtype for v in variables], optimizer._flat_mean(), optimizer.sampling_state(), optimizer.perturb,
                  float(np.sqrt(optimizer._covariance_scale)))
 
 

@@ -1,7 +1,8 @@
 """The mechanism of the families whose covariance couples all weights (SLANG, NNG-full).
 
 Their posterior ``q(w) = N(mu, (lambda/N) P^-1)`` lives on one flat vector of length D: the Bayesian
-variables of the model, flattened and concatenated in the order of ``model.trainable_variables``
+variables of the model, flattened and concatenated in the order of ``model.trainable_variables``, in
+the widest of their dtypes (a float64 layer keeps its precision next to float32 ones)
 (point-estimated variables, e.g. ``NoisePrecision``'s, keep the base class's step). ``P`` is the
 damped curvature ``F_bar + gamma_in I`` in per-example units (NNG eq. 9; SLANG eq. 2 divided by N):
 each family stores it in its own structure. Per step the family gets the batch-mean gradient ``g``,
@@ -44,7 +45,7 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
             return
         super().build(variables)
         if self.mc_samples > 1:
-            dtype = variables[self._flat_indices[0]].dtype
+            dtype = self._flat_dtype
             self._mc_sums = {
                 "grad": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_grad"),
                 "weight": self.add_variable((self.dimension,), "zeros", dtype, name="mc_sum_weight"),
@@ -57,7 +58,9 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
             raise ValueError(f"{type(self).__name__}: the model has no Bayesian variables.")
         self._sizes = [int(np.prod(variables[i].shape)) for i in self._flat_indices]
         self.dimension = sum(self._sizes)
-        self._build_posterior(self.dimension, variables[self._flat_indices[0]].dtype)
+        self._flat_dtype = max((tf.as_dtype(variables[i].dtype) for i in self._flat_indices),
+                               key=lambda dtype: dtype.size)
+        self._build_posterior(self.dimension, self._flat_dtype)
 
     def _curvature_spec(self, dimension, dtype):
         """``(shape, initializer, dtype)`` of the curvature statistic's Monte Carlo sum."""
@@ -76,18 +79,21 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         return tf.concat([tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors], axis=0)
 
     def _unflatten(self, vector):
+        """The parts of a flat vector, each in its variable's shape and dtype."""
         parts = tf.split(vector, self._sizes)
-        return {i: tf.reshape(p, self._trainable_variables[i].shape)
+        return {i: tf.cast(tf.reshape(p, self._trainable_variables[i].shape),
+                           self._trainable_variables[i].dtype)
                 for i, p in zip(self._flat_indices, parts)}
 
     def _flat_mean(self):
-        return self._flatten([self._means[i] for i in self._flat_indices], self._means[
-            self._flat_indices[0]].dtype)
+        return self._flatten([self._means[i] for i in self._flat_indices], self._flat_dtype)
 
     # --------------------------------------------------------------------------------- update step
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        self._refuse_frozen(self._flat_indices, "the posterior covers the variables it was built "
+                            "for jointly; compile the model with a new optimizer")
         finite, apply_now = self._step_flags
-        dtype = self._means[self._flat_indices[0]].dtype
+        dtype = self._flat_dtype
         lr = tf.cast(learning_rate, dtype)
         # Keras drops variables without gradient from the lists: align by variable index.
         given = {self._get_variable_index(v): g for g, v in zip(grads, trainable_variables)}
@@ -135,8 +141,7 @@ class FlatPosteriorOptimizer(PerExampleOptimizer):
         raise NotImplementedError
 
     def _write_sample(self):
-        dtype = self._means[self._flat_indices[0]].dtype
-        eps = self._standard_normal((self.dimension,), dtype)
+        eps = self._standard_normal((self.dimension,), self._flat_dtype)
         self._assign_sample(self.perturb(self.sampling_state(), eps))
 
     def _assign_sample(self, noise):

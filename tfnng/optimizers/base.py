@@ -639,6 +639,16 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
             seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
         return _random.standard_normal(shape, seed, dtype)
 
+    def _refuse_frozen(self, indices, reason):
+        """Stop with a clear error if a variable of ``indices`` is no longer trainable (frozen after
+        the build: Keras leaves it out of the step's lists) although the step would move it:
+        ``reason`` says why, and what to do."""
+        frozen = [self._trainable_variables[i].path for i in indices
+                  if not self._trainable_variables[i].trainable]
+        if frozen:
+            raise ValueError(f"{type(self).__name__}: {', '.join(frozen)} no longer trainable "
+                             f"(frozen after the optimizer was built), but {reason}.")
+
     def _draw(self, index):
         mean = self._means[index]
         return _diagonal.perturb(mean, self._stddev(index), self._standard_normal(mean.shape, mean.dtype))

@@ -389,7 +389,11 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
             # that its later evaluations are not drawn from the initial cache (the prior).
             inverse_due &= apply_now | tf.equal(step, 0)
             tf.cond(inverse_due, self._update_inverses, lambda: tf.constant(False))
-        active = [b for b in self._blocks if b.kernel_index in by_index]
+        active = [b for b in self._blocks if by_index.keys() & {b.kernel_index, b.bias_index}]
+        self._refuse_frozen([i for b in active for i in (b.kernel_index, b.bias_index)
+                             if i is not None],
+                            "a Kronecker block's posterior covers its layer's kernel and bias "
+                            "together; freeze the whole layer")
         stats = self._block_statistics(active, by_index)
         if self.mc_samples > 1:
             stats = {i: self._accumulate(i, s, finite, apply_now) for i, s in stats.items()}
@@ -525,8 +529,8 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         return [{key: tf.convert_to_tensor(v) for key, v in b.state[kind].items()} for b in chain]
 
     def _block_statistics(self, blocks, by_index):
-        """Gradient and sample of each block variable (``{index: {"grad", "weight"}}``; a bias
-        without a gradient gets zeros)."""
+        """Gradient and sample of each block variable (``{index: {"grad", "weight"}}``; a kernel
+        or bias without a gradient gets zeros)."""
         stats = {}
         for block in blocks:
             for index in (block.kernel_index, block.bias_index):
