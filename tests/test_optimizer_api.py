@@ -382,6 +382,32 @@ def test_posterior_distribution_kl_and_marginals():
     assert float(optimizer.kl_divergence()) > 0
 
 
+class UnregisteredDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """A user's schedule that is not registered with Keras."""
+
+    def __init__(self, initial):
+        self.initial = initial
+
+    def __call__(self, step):
+        return self.initial / (1.0 + tf.cast(step, tf.float32))
+
+    def get_config(self):
+        return {"initial": self.initial}
+
+
+@pytest.mark.parametrize("make", [tfnng.optimizers.VOGN, tfnng.optimizers.SLANG,
+                                  tfnng.optimizers.NoisyNaturalGradient])
+def test_from_config_takes_custom_objects_for_a_beta_schedule(make):
+    """Keras's from_config passed ``custom_objects`` to the learning rate only: an unregistered
+    ``beta`` schedule failed ("Cannot deserialize object of type 'UnregisteredDecay'")."""
+    optimizer = make(learning_rate=UnregisteredDecay(0.1), beta=UnregisteredDecay(0.5),
+                     num_examples=10)
+    clone = make.from_config(optimizer.get_config(),
+                             custom_objects={"UnregisteredDecay": UnregisteredDecay})
+    assert isinstance(clone.beta, UnregisteredDecay) and clone.beta.initial == 0.5
+    assert clone.get_config() == optimizer.get_config()
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_config_round_trip_and_registered_serialization(method):
     optimizer = METHODS[method](learning_rate=0.02, num_examples=123, prior_variance=0.5,
@@ -489,6 +515,12 @@ def test_bad_hyper_parameters_raise_clear_errors(kwargs, match):
     (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, inverse_warmup="no"), "inverse_warmup"),
     (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, kl_clip_decay=0.5), "need `kl_clip`"),
     (lambda: tfnng.optimizers.KFAC(kl_clip_decay_steps=10), "need `kl_clip`"),
+    # "practically never": accepted, then fit failed converting them to TensorFlow's int64
+    (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, inverse_every=1e20),
+     r"inverse_every.*at most 2\*\*63 - 1"),
+    (lambda: tfnng.optimizers.NoisyKFAC(num_examples=10, stats_every=2**63), "stats_every"),
+    (lambda: tfnng.optimizers.KFAC(kl_clip=1e-3, kl_clip_decay=0.5, kl_clip_decay_steps=1e20),
+     "kl_clip_decay_steps"),
 ])
 def test_method_specific_hyper_parameters_are_validated(make, match):
     with pytest.raises(ValueError, match=match):

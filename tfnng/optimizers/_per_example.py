@@ -144,6 +144,15 @@ class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimize
     def _beta_now(self, dtype):
         return rate_at("beta", self.beta, self._update_count, dtype)
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Keras's, with a serialized ``beta`` schedule deserialized with ``custom_objects`` as
+        the learning rate's is."""
+        if isinstance(config.get("beta"), dict):
+            config = {**config, "beta": keras.optimizers.schedules.deserialize(
+                config["beta"], custom_objects=custom_objects)}
+        return super().from_config(config, custom_objects=custom_objects)
+
     def get_config(self):
         return {**super().get_config(), "beta": serialize_rate(self.beta),
                 "hess_init": self.hess_init, "extrinsic_damping": self.extrinsic_damping,

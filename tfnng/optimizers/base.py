@@ -77,15 +77,18 @@ def _is_integer(value):
         return False
 
 
+_INT64_MAX = np.iinfo(np.int64).max      # counts meet TensorFlow's int64 step counters
+
+
 def _positive_int(name, value):
-    if not _is_integer(value) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    if not _is_integer(value) or not 1 <= value <= _INT64_MAX:
+        raise ValueError(f"`{name}` must be an integer >= 1 (at most 2**63 - 1), got {value!r}.")
     return int(value)
 
 
 def _non_negative_int(name, value):
-    if not _is_integer(value) or value < 0:
-        raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+    if not _is_integer(value) or not 0 <= value <= _INT64_MAX:
+        raise ValueError(f"`{name}` must be an integer >= 0 (at most 2**63 - 1), got {value!r}.")
     return int(value)
 
 
