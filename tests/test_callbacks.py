@@ -299,7 +299,8 @@ def test_histogram_buckets():
     constant = callbacks.histogram_buckets(np.full((4, 2), 0.25), bucket_count=2)
     assert constant[:, 2].sum() == 8 and constant[0, 0] < 0.25 < constant[-1, 1]
     for value in (0.1, 1e20):       # a few ulps apart: too close for 30 numpy buckets of their own
-        close = callbacks.histogram_buckets([value, np.nextafter(value, 2 * value)], bucket_count=30)
+        close = callbacks.histogram_buckets([value, np.nextafter(value, 2 * value)],
+                                            bucket_count=30)
         assert close[:, 2].sum() == 2 and close[0, 0] < value < close[-1, 1]
         assert np.all(close[:, 0] < close[:, 1])
 

@@ -184,9 +184,10 @@ def test_elbo_is_the_quadrature_of_each_predictor_minus_the_kl_to_the_prior():
 
 
 def test_predictive_log_probability_is_the_log_gaussian_average_of_the_sigmoid():
-    """p(y=1|x) = E[sigmoid(f)], f ~ N(x^T mu, x^T Sigma x) with a dense Sigma (not sigmoid(x^T mu)),
-    for both labels; also for a confidently wrong prediction of label 0, which was computed as
-    log(1 - E[sigmoid(f)]) and at f ~ N(40, 0.5^2) gave 36.74 nats instead of 39.875."""
+    """p(y=1|x) = E[sigmoid(f)], f ~ N(x^T mu, x^T Sigma x) with a dense Sigma (not
+    sigmoid(x^T mu)), for both labels; also for a confidently wrong prediction of label 0, which
+    was computed as log(1 - E[sigmoid(f)]) and at f ~ N(40, 0.5^2) gave 36.74 nats instead of
+    39.875."""
     x, _, q, _ = _toy_gaussian()
     expected = _gaussian_expectations(*_predictor_moments(x, q), special.expit)
     for label, probability in ((1.0, expected), (0.0, 1.0 - expected)):

@@ -1157,7 +1157,8 @@ def test_a_float64_layer_after_a_float32_one_keeps_its_precision(make):
 @pytest.mark.parametrize("make", [
     lambda: tfnng.optimizers.SLANG(0.05, num_examples=32, rank=2, seed=3),
     lambda: tfnng.optimizers.NoisyNaturalGradient(0.05, num_examples=32, seed=3),
-    lambda: tfnng.optimizers.VOGN(0.05, num_examples=32, seed=3)], ids=["SLANG", "NNG-full", "VOGN"])
+    lambda: tfnng.optimizers.VOGN(0.05, num_examples=32, seed=3)],
+    ids=["SLANG", "NNG-full", "VOGN"])
 def test_a_layer_frozen_in_a_hand_written_loop_is_left_alone_or_refused(make):
     """SLANG and NNG-full moved a layer frozen after the build (its mean, and a new sample written
     into it at every step) although the loop no longer passed it: they now refuse, naming it;

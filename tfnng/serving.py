@@ -170,8 +170,8 @@ class _Flat(tf.Module):
 def _flat_sampler(optimizer, positions):
     variables = [optimizer._trainable_variables[i] for i in optimizer._flat_indices]
     return _Flat([positions[id(v)] for v in variables], [tuple(v.shape) for v in variables],
-                 [v.dtype for v in variables], optimizer._flat_mean(), optimizer.sampling_state(), optimizer.perturb,
-                 float(np.sqrt(optimizer._covariance_scale)))
+                 [v.dtype for v in variables], optimizer._flat_mean(), optimizer.sampling_state(),
+                 optimizer.perturb, float(np.sqrt(optimizer._covariance_scale)))
 
 
 # The families whose sampler the SavedModel reproduces, with the methods that sample: a subclass that
