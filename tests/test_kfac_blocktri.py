@@ -156,6 +156,23 @@ def _residual():
     return keras.Model(inputs, _dense("d3", 1)(_dense("d2", 2)(merged)))
 
 
+def _skip_from_the_input():
+    """d1 reads the net's input plus d0's output (a skip connection around d0): d1's input does
+    not come from d0 alone, so only d1 -> d2 is chained (d0-d1-d2 before: the net's input was no
+    source of its own)."""
+    inputs = keras.Input((3,))
+    merged = keras.layers.Add()([inputs, _dense("d0", 3)(inputs)])
+    return keras.Model(inputs, _dense("d2", 1)(_dense("d1", 2)(merged)))
+
+
+def _skip_to_the_output():
+    """The net's output is h + d1(h), h = d0(...): d0's output reaches the output around d1, so
+    d0 and d1 are not chained (they were, where a Dense after the merge kept them apart)."""
+    inputs = keras.Input((3,))
+    h = _dense("d0", 1)(_dense("pre", 4)(inputs))
+    return keras.Model(inputs, keras.layers.Add()([h, _dense("d1", 1)(h)]))
+
+
 def _mixed_dtypes():
     """d0-d1 in float32, d2-d3 in float64: the dtype change used to fail the first step (a float32
     by float64 MatMul of the cross factors)."""
@@ -186,6 +203,8 @@ class TrainingOnlyHead(keras.Model):
     (_nested, [["d0", "d1", "d2", "d3"]]),
     (_branches, [["d4", "d3"]]),
     (_residual, [["d2", "d3"]]),
+    (_skip_from_the_input, [["d1", "d2"]]),
+    (_skip_to_the_output, [["pre", "d0"]]),
     (_mixed_dtypes, [["d0", "d1"], ["d2", "d3"]]),
 ])
 def test_chains_follow_the_data_flow_not_the_order_of_creation(make_net, chains):

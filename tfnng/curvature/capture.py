@@ -47,7 +47,9 @@ class LayerSpec:
     ``W = [reshape(kernel, (p - 1, q)); bias]`` (bias as the last row), or ``reshape(kernel, (p, q))``.
     ``inputs_from``: names of the supported layers whose outputs reach this layer's input without
     passing another supported layer (its predecessors in the forward pass), or None until
-    :meth:`LayerCapture.find_links` has traced a forward pass.
+    :meth:`LayerCapture.find_links` has traced a forward pass. ``input_from_net`` and
+    ``output_to_net``: whether the net's inputs reach this layer's input, and this layer's output
+    the net's outputs, by such a path (a skip connection around a layer, or to the output).
     """
 
     layer: object
@@ -56,6 +58,8 @@ class LayerSpec:
     bias: object
     name: str
     inputs_from: tuple = None
+    input_from_net: bool = False
+    output_to_net: bool = False
 
     @property
     def has_bias(self):
@@ -278,15 +282,28 @@ class LayerCapture:
         no other supported layer (whatever the order in which the layers were created or nested;
         a skip connection around a layer feeds the layer after it too). The pass cuts each
         supported layer's input from the gradient, so that only such paths remain. A layer the
-        pass does not call (a head used in training only) gets no links."""
+        pass does not call (a head used in training only) gets no links. The same paths from the
+        net's floating inputs and to its outputs set ``input_from_net`` and ``output_to_net``."""
+        inputs = tf.nest.map_structure(
+            lambda t: t if isinstance(t, (tf.SparseTensor, tf.RaggedTensor))
+            else tf.convert_to_tensor(t), inputs)
+        watched = [t for t in tf.nest.flatten(inputs)
+                   if isinstance(t, tf.Tensor) and t.dtype.is_floating]
         with tf.GradientTape(persistent=True) as tape:
+            tape.watch(watched)
             with self.recording(tape, cut_inputs=True):
-                self.model(inputs, training=False)
+                outputs = self.model(inputs, training=False)
+        outputs = [t for t in tf.nest.flatten(outputs)
+                   if isinstance(t, tf.Tensor) and t.dtype.is_floating]
         records = self.records
         for spec in self.specs:
             spec.inputs_from = () if spec.name not in records else tuple(
                 i for i in records if i != spec.name and tape.gradient(
                     records[spec.name].inputs, records[i].zero) is not None)
+            if spec.name in records:
+                spec.input_from_net = any(
+                    g is not None for g in tape.gradient(records[spec.name].inputs, watched))
+                spec.output_to_net = tape.gradient(outputs, records[spec.name].zero) is not None
 
     @contextlib.contextmanager
     def recording(self, tape, cut_inputs=False):

@@ -272,10 +272,11 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
 
     def _find_chains(self):
         """Block-tridiagonal chains: maximal paths of Dense blocks with rank-2 inputs in which each
-        block's output reaches the next block, and only it, and that block's input comes from it
-        alone (``LayerSpec.inputs_from``, found from the forward pass). Layers without a Kronecker
-        block in between (activations, normalisation, dropout, frozen layers) do not break a
-        chain; a branch, a merge, a layer with a block of another kind, or a change of the
+        block's output reaches the next block, and only it (not the net's output), and that
+        block's input comes from it alone (not from the net's input; ``LayerSpec.inputs_from``,
+        ``output_to_net``, ``input_from_net``, found from the forward pass). Layers without a
+        Kronecker block in between (activations, normalisation, dropout, frozen layers) do not
+        break a chain; a branch, a merge, a layer with a block of another kind, or a change of the
         kernels' dtype (the chain's state has one) does."""
         unknown = [block.spec.name for block in self._blocks if block.spec.inputs_from is None]
         if unknown:
@@ -290,6 +291,7 @@ class NoisyKFAC(CurvatureConsumer, NoisyOptimizer):
         for name in dense:
             fed = [block for block in self._blocks if name in block.spec.inputs_from]
             if (len(fed) == 1 and fed[0].spec.name in dense and fed[0].spec.inputs_from == (name,)
+                    and not fed[0].spec.input_from_net and not dense[name].spec.output_to_net
                     and fed[0].spec.layer.kernel.dtype == dense[name].spec.layer.kernel.dtype):
                 following[name] = fed[0]
         followers = {id(block) for block in following.values()}
