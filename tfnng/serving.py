@@ -41,7 +41,7 @@ import tensorflow as tf
 
 from tfnng import _random
 from tfnng import losses as _losses
-from tfnng.models import BayesianModel, unwrap_optimizer
+from tfnng.models import BayesianModel, _input_specs, unwrap_optimizer
 from tfnng.optimizers._flat import FlatPosteriorOptimizer
 from tfnng.optimizers.base import NoisyOptimizer, _positive_int
 from tfnng.optimizers.kfac import NoisyKFAC
@@ -270,8 +270,9 @@ def _input_dtype(model):
     """The dtype the model declares for its one input (``keras.Input(dtype=...)``, of the net in a
     ``tfnng.BayesianModel``): integer ids and float64 inputs pass unrounded. A model without a
     declared input gets Keras's float type, as its data adapter feeds."""
-    inputs = getattr(model.net if isinstance(model, BayesianModel) else model, "inputs", None)
-    return inputs[0].dtype if inputs and len(inputs) == 1 else keras.config.floatx()
+    specs = _input_specs(model.net if isinstance(model, BayesianModel) else model)
+    leaves = [] if specs is None else tf.nest.flatten(specs)
+    return leaves[0].dtype if len(leaves) == 1 else keras.config.floatx()
 
 
 def _tensor_specs(model):
