@@ -170,6 +170,20 @@ def test_categorical_one_hot_labels_score_a_class_masked_by_minus_infinity():
         assert np.all(np.isfinite(tape.gradient(log_p, logits).numpy())), kind
 
 
+def test_bernoulli_infinite_logit_scores_its_own_label_zero():
+    """A logit of +-inf: log p = 0 for the label it predicts, -inf for the other, a soft label in
+    between gets -inf, and the gradient stays finite (it gave NaN: inf - inf)."""
+    logits = tf.constant([[np.inf], [-np.inf], [np.inf], [-np.inf], [np.inf]])
+    y = tf.constant([1.0, 0.0, 0.0, 1.0, 0.5])
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        log_p = BernoulliNLL().log_prob(y, logits)
+        predicted = tf.reduce_sum(log_p[:2])
+    np.testing.assert_array_equal(log_p, [0.0, 0.0, -np.inf, -np.inf, -np.inf])
+    grad = tape.gradient(predicted, logits).numpy()
+    np.testing.assert_array_equal(grad, np.zeros((5, 1)))
+
+
 def test_bernoulli_log_prob_matches_scipy():
     logits = RNG.normal(size=(7, 1)).astype(np.float32) * 3
     y = RNG.integers(0, 2, size=7)

@@ -436,7 +436,10 @@ class BernoulliNLL(LikelihoodLoss):
         y_true = _same_batch(y_true, logits, "BernoulliNLL")
         y_true = checked(y_true, (y_true >= 0) & (y_true <= 1),
                          "BernoulliNLL: y_true must lie in [0, 1] (labels 0 and 1, or probabilities).")
-        ce = tf.nn.sigmoid_cross_entropy_with_logits(labels=y_true, logits=logits)
+        # y softplus(-l) + (1 - y) softplus(l), each term 0 where its weight is 0: a logit of +-inf
+        # scores its own label 0 (sigmoid_cross_entropy_with_logits gives inf - inf there).
+        ce = (tf.math.multiply_no_nan(tf.math.softplus(-logits), y_true)
+              + tf.math.multiply_no_nan(tf.math.softplus(logits), 1.0 - y_true))
         return -tf.squeeze(ce, axis=-1)
 
     def call(self, y_true, y_pred):
