@@ -199,6 +199,21 @@ def _masked_example_weights(weights, y_pred):
     return mask_weights if weights is None else weights * mask_weights
 
 
+def _statistic(gradient, loss_dtype):
+    """A captured pre-activation gradient in the wider of its own dtype and the loss's, half
+    precision widened to float32: a float16 layer's in the float32 of a mixed-precision loss, a
+    float64 layer's in float64 under Keras's float32 compiled loss."""
+    gradient = at_least_float32(gradient)
+    wider = gradient.dtype.size >= tf.as_dtype(loss_dtype).size
+    return gradient if wider else tf.cast(gradient, loss_dtype)
+
+
+def _inverse_roots(weights, dtype):
+    """``1 / sqrt(weights)`` in ``dtype``, 0 for a weight of 0."""
+    roots = tf.sqrt(tf.cast(weights, dtype))
+    return tf.math.divide_no_nan(tf.ones_like(roots), roots)
+
+
 def _scale_examples(tensor, scale):
     """``tensor`` (B, ...) with example n multiplied by ``scale[n]``."""
     return tensor * tf.reshape(tf.cast(scale, tensor.dtype), [-1] + [1] * (tensor.shape.rank - 1))
@@ -374,7 +389,7 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             targets = _sampled_targets(likelihood, output, target_seed)
             log_probs = likelihood.log_prob(targets, output)
             if weights is not None:
-                log_probs = log_probs * tf.cast(tf.sqrt(weights), log_probs.dtype)
+                log_probs = log_probs * tf.sqrt(tf.cast(weights, log_probs.dtype))
             fisher_ll = tf.reduce_sum(log_probs) * tf.cast(example_scale, log_probs.dtype)
     records = capture.captured() if capture.specs else {}
     _check_batch_axes(records, tf.nest.flatten(x)[0].shape[0], batch_size)
@@ -392,21 +407,20 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     due = unwrap_optimizer(optimizer).curvature_due()
     if zeros:
         if requirements.fisher == "true":
-            pre_grads = [tf.cast(g, loss.dtype) / example_scale
-                         for g in _gradients_when_due(tape, fisher_ll, zeros, due)]
+            pre_grads = [g / tf.cast(example_scale, g.dtype) for g in (
+                _statistic(g, loss.dtype) for g in _gradients_when_due(tape, fisher_ll, zeros, due))]
         else:
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
-            # Unscaled in the loss's dtype (float32 also when the activations are float16).
+            # Unscaled, in float32 at least (also when the activations are float16).
             factor = -batch / loss_scale
             if likelihood_loss is not None:
                 likelihood_grads = _gradients_when_due(tape, likelihood_loss, zeros, due)
             else:
                 likelihood_grads = all_grads[len(variables):]
-            pre_grads = [tf.cast(g, loss.dtype) * factor for g in likelihood_grads]
+            pre_grads = [g * tf.cast(factor, g.dtype)
+                         for g in (_statistic(g, loss.dtype) for g in likelihood_grads)]
             if weights is not None:     # the loss weighs example n by w_n; the statistics sqrt(w_n)
-                roots = tf.sqrt(tf.cast(weights, loss.dtype))
-                inverse_roots = tf.math.divide_no_nan(tf.ones_like(roots), roots)
-                pre_grads = [_scale_examples(g, inverse_roots) for g in pre_grads]
+                pre_grads = [_scale_examples(g, _inverse_roots(weights, g.dtype)) for g in pre_grads]
         for record, g in zip(records.values(), pre_grads):
             record.preactivation_grads = g
     scaled_statistics = list(pre_grads) if zeros and requirements.fisher == "true" else []
@@ -550,7 +564,7 @@ def _generic_records(net, loss_fn, x, y, variables, due, weights, example_scale,
     gradients = tf.cond(due, compute,
                         lambda: [tf.zeros((batch,) + tuple(v.shape), v.dtype) for v in variables])
     if weights is not None:
-        gradients = [_scale_examples(g, tf.sqrt(weights)) for g in gradients]
+        gradients = [_scale_examples(g, tf.sqrt(tf.cast(weights, g.dtype))) for g in gradients]
     names = unique_names(taken + [v.path for v in variables])[len(taken):]
     return {name: _per_example.CapturedVariable(v, g)
             for name, v, g in zip(names, variables, gradients)}
