@@ -926,6 +926,29 @@ def test_the_true_fisher_without_a_likelihood_loss_says_what_to_pass(make):
         model.compile(optimizer=make(), loss="mse")
 
 
+@pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=16, fisher="true"),
+                                  lambda: tfnng.optimizers.VOGN(num_examples=16),
+                                  lambda: tfnng.optimizers.NoisyKFAC(num_examples=16)])
+def test_an_optimizer_whose_first_step_failed_trains_after_recompiling(make):
+    """The first step builds a curvature optimizer; when that step failed to trace (targets of
+    the wrong shape), its state, made while tracing, was never initialised: the next fit failed
+    ("must be a scalar, but it has shape [0]"), and so did tfnng.predict."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    model = tfnng.BayesianModel(keras.Sequential([
+        keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]))
+    optimizer = make()
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
+    with pytest.raises(ValueError, match="does not match the predicted mean"):
+        model.fit(x, np.zeros((16, 3, 2), "float32"), batch_size=8, verbose=0)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(0.5))
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert int(optimizer.iterations) == 4
+    assert np.all(np.isfinite(tfnng.predict(model, x, num_samples=3).mean))
+
+
 @pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=8),
                                   lambda: tfnng.optimizers.VOGN(num_examples=8),
                                   lambda: tfnng.optimizers.NoisyKFAC(num_examples=8)])

@@ -813,7 +813,10 @@ class BayesianModel(keras.Model):
                 self._layer_capture.find_links(x)      # traced: static, pruned from the step
             _check_same_model(unwrap_optimizer(optimizer), self._layer_capture)
             if not optimizer.built:
-                with keras.name_scope(optimizer.name, caller=optimizer):
+                # Outside the traced step: state made while tracing is initialised only when the
+                # step first runs, so a step that failed to trace (targets of the wrong shape)
+                # left the optimizer built with uninitialised state, unusable by the next fit.
+                with tf.init_scope(), keras.name_scope(optimizer.name, caller=optimizer):
                     optimizer.build(self.trainable_variables)
 
             def compute_loss(y_pred):
