@@ -565,6 +565,25 @@ def test_keras_per_variable_weight_decay_is_refused():
             optimizer.exclude_from_weight_decay(var_names=["bias"])
 
 
+def test_weight_decay_reads_back_ivons_delta_and_cannot_be_assigned():
+    """IVON(weight_decay=1e-3).weight_decay read None (Keras's attribute), and assigning a weight
+    decay to a tfnng optimizer, built or not, was accepted and ignored by the update."""
+    ivon = tfnng.optimizers.IVON(num_examples=100, weight_decay=1e-3)
+    assert ivon.weight_decay == pytest.approx(1e-3)
+    assert tfnng.optimizers.IVON(num_examples=100, prior_variance=2.0).weight_decay == \
+        pytest.approx(1 / 200)
+    assert tfnng.optimizers.NoisyAdam(num_examples=100).weight_decay is None
+    assert "weight_decay" not in ivon.get_config()
+    variable = keras.Variable(np.ones(3, "float32"))
+    for optimizer in (ivon, tfnng.optimizers.NoisyAdam(num_examples=100)):
+        with pytest.raises(AttributeError, match="weight_decay cannot be set"):
+            optimizer.weight_decay = 0.5
+        optimizer.build([variable])
+        with pytest.raises(AttributeError, match="weight_decay cannot be set"):
+            optimizer.weight_decay = 0.5
+    assert ivon.weight_decay == pytest.approx(1e-3)
+
+
 def test_posterior_access_before_build_or_for_a_foreign_variable_is_a_clear_error():
     with pytest.raises(ValueError, match="no posterior yet"):
         tfnng.optimizers.Vprop(num_examples=10).kl_divergence()

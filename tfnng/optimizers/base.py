@@ -285,6 +285,21 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
                 "(`model.optimizer.build(model.trainable_variables)`).")
         super().__setattr__(name, value)
 
+    @property
+    def weight_decay(self):
+        """None: Keras's decoupled weight decay is not applied; the prior N(0, eta I) takes its
+        role (IVON reads back its ``weight_decay``, delta)."""
+        return None
+
+    @weight_decay.setter
+    def weight_decay(self, value):
+        # Keras's constructor assigns None; a value would be silently ignored by the update.
+        if value is not None:
+            raise AttributeError(
+                f"{type(self).__name__}.weight_decay cannot be set: the prior N(0, eta I) plays "
+                "the role of weight decay (IVON's `weight_decay` is delta = 1 / (ess eta)). Pass "
+                "`prior_variance` (IVON: `weight_decay`) when constructing the optimizer.")
+
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Not supported: the prior N(0, eta I) (IVON's ``weight_decay``) covers every Bayesian weight.
         :func:`tfnng.mark_point_estimate` takes a variable out of the posterior (no prior, no noise)."""

@@ -390,6 +390,11 @@ class IVON(NoisyOptimizer):
         """Effective sample size N / kl_weight."""
         return self.num_examples / self.kl_weight
 
+    @NoisyOptimizer.weight_decay.getter
+    def weight_decay(self):
+        """delta = 1 / (ess eta), the prior precision per example (= gamma_in)."""
+        return self.intrinsic_damping
+
     def _precision(self, index):
         return self.ess * (self._slot("hess", index) + self.intrinsic_damping)
 
