@@ -697,8 +697,8 @@ class BayesianModel(keras.Model):
                 "tf.distribute strategy: the wrapper applies the update in other threads. Use the "
                 "'mixed_bfloat16' policy (no loss scaling), or train on one device.")
         if requirements is not None and requirements.fisher == "true" and self.loss is not None:
-            # Here rather than in the first step: Keras builds the optimizer while tracing it, and
-            # an error there left its variables uninitialised (predict then failed obscurely).
+            # Here rather than in the first step: a loss without a likelihood is refused when
+            # it is given, before any data.
             _true_fisher_likelihood(self.loss)
         self._layer_capture = None
         if self.net.built:
