@@ -926,7 +926,8 @@ def test_the_true_fisher_without_a_likelihood_loss_says_what_to_pass(make):
         model.compile(optimizer=make(), loss="mse")
 
 
-@pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=16, fisher="true"),
+@pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=16,
+                                                                       fisher="true"),
                                   lambda: tfnng.optimizers.VOGN(num_examples=16),
                                   lambda: tfnng.optimizers.NoisyKFAC(num_examples=16)])
 def test_an_optimizer_whose_first_step_failed_trains_after_recompiling(make):
