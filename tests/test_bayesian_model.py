@@ -431,7 +431,7 @@ def test_hand_written_loop_with_the_nets_losses_equals_fit():
         return net, tfnng.optimizers.NoisyKFAC(learning_rate=0.05, num_examples=16, seed=3)
 
     net, optimizer = setup()
-    model = tfnng.BayesianModel(net)
+    model = tfnng.BayesianModel(net, seed=0)
     model.compile(optimizer=optimizer, loss=loss_fn)
     model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     by_fit = [optimizer.posterior_mean(v).numpy() for v in net.trainable_variables]
@@ -924,6 +924,41 @@ def test_the_true_fisher_without_a_likelihood_loss_says_what_to_pass(make):
     with pytest.raises(ValueError, match=r"needs a tfnng likelihood loss.*another loss is "
                                          r"supported only with fisher='empirical'"):
         model.compile(optimizer=make(), loss="mse")
+
+
+def test_the_true_fishers_targets_follow_the_models_seed():
+    """BayesianModel seeded its target generator with a fixed 0: runs with other global and
+    optimizer seeds drew the same target noise at every step. The seed is now the model's (None:
+    drawn from Python's random state, which keras.utils.set_random_seed fixes); a hand-written
+    loop's fixed seed, which would repeat the targets at every step, is refused."""
+    x, y = classification_data(n=16)
+
+    def statistics(global_seed, seed=None):
+        keras.utils.set_random_seed(0)
+        net = dense_net()                               # the same weights in every run
+        keras.utils.set_random_seed(global_seed)
+        model = tfnng.BayesianModel(net, seed=seed)
+        model.compile(optimizer=tfnng.optimizers.NoisyKFAC(num_examples=16, stats_every=1,
+                                                           seed=5),
+                      loss=tfnng.losses.CategoricalNLL())
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert tfnng.BayesianModel.from_config(model.get_config()).seed == model.seed
+        return np.concatenate([b.state["s"].numpy().ravel() for b in model.optimizer._blocks])
+
+    np.testing.assert_array_equal(statistics(1), statistics(1))
+    assert not np.allclose(statistics(1), statistics(2))
+    np.testing.assert_array_equal(statistics(1, seed=3), statistics(2, seed=3))
+    assert not np.allclose(statistics(1, seed=3), statistics(1, seed=4))
+    with pytest.raises(ValueError, match="integer"):
+        tfnng.BayesianModel(dense_net(), seed=1.5)
+    net = dense_net()
+    optimizer = tfnng.optimizers.NoisyKFAC(num_examples=16)
+    capture = cap.LayerCapture(net)
+    optimizer.prepare_curvature(capture.specs)
+    optimizer.build(net.trainable_variables)
+    with pytest.raises(ValueError, match="same targets at every step"):
+        tfnng.models.gradients_and_curvature(net, capture, optimizer,
+                                             tfnng.losses.CategoricalNLL(), x, y, seed=7)
 
 
 @pytest.mark.parametrize("make", [lambda: tfnng.optimizers.NoisyAdam(num_examples=16,

@@ -325,7 +325,7 @@ def test_float64_layers_get_float64_curvature_under_a_float32_floatx(kind, fishe
         return net, optimizer_class(1e-3, num_examples=60, fisher=fisher, seed=0, **settings)
 
     net, optimizer = make()
-    model = tfnng.BayesianModel(net)
+    model = tfnng.BayesianModel(net, seed=0)
     model.compile(optimizer=optimizer, loss=loss)
     model.fit(x, y, sample_weight=weights, batch_size=6, epochs=1, shuffle=False, verbose=0)
 

@@ -739,6 +739,19 @@ def test_a_mark_made_after_the_optimizer_is_built_is_refused_when_the_step_is_tr
         wrapped.fit(x, y, batch_size=8, epochs=1, verbose=0)        # another batch size: retraced
 
 
+def test_a_numpy_integer_seed_is_a_seed():
+    """Keras's SeedGenerator refused np.int64(3) ("must be an integer. Received: seed=3"), and
+    seed=True failed converting a sequence to a tensor."""
+    by_numpy = tfnng.optimizers.NoisyAdam(num_examples=10, seed=np.int64(3))
+    assert by_numpy.seed == 3 and type(by_numpy.seed) is int
+    np.testing.assert_array_equal(by_numpy._seed_generator.state.numpy(),
+                                  tfnng.optimizers.NoisyAdam(num_examples=10, seed=3)
+                                  ._seed_generator.state.numpy())
+    for bad in (True, 1.5, "3", 2**64):
+        with pytest.raises(ValueError, match="`seed` must be an integer"):
+            tfnng.optimizers.NoisyAdam(num_examples=10, seed=bad)
+
+
 def test_weight_noise_is_seeded_and_drawn_with_philox_also_under_xla():
     """The noise comes from the optimizer's seed generator (``seed`` fixes the stream) and, under XLA,
     from ``stateless_normal`` with the Philox algorithm named in the graph: TensorFlow's "auto_select"

@@ -75,7 +75,7 @@ from tfnng._names import layer_paths, unique_names
 from tfnng._xla import checked
 from tfnng.curvature import capture as _capture
 from tfnng.curvature import per_example as _per_example
-from tfnng.optimizers.base import NoisyOptimizer
+from tfnng.optimizers.base import NoisyOptimizer, seed_value
 
 
 def unwrap_optimizer(optimizer):
@@ -118,11 +118,16 @@ def _multi_replica_context():
 
 def _target_seed(seed):
     """The stateless seed (``int32[2]``) of one step's true-Fisher targets, drawn once from ``seed``
-    (a random one for None) and shared by the Dense/Conv2D path and the generic path, so that both
+    (a ``keras.random.SeedGenerator``; a random one for None) and shared by the Dense/Conv2D path and the generic path, so that both
     differentiate each example's log-likelihood at the same draw and the cross terms between their
     blocks (SLANG, full covariance) are the Fisher's. The replica id is folded in: the generator's
     state is mirrored, so its plain draw would give every replica the same noise for its
     examples."""
+    if seed is not None and not isinstance(seed, keras.random.SeedGenerator):
+        raise ValueError(
+            "`seed` of the true Fisher's targets must be a keras.random.SeedGenerator (created "
+            "once, before the training loop) or None: a fixed seed would draw the same targets "
+            f"at every step; got {seed!r}.")
     stateless = (_losses._stateless_seed(seed) if seed is not None
                  else tf.random.uniform([2], maxval=tf.int32.max, dtype=tf.int32))
     context = _multi_replica_context()
@@ -311,7 +316,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
             weighs the log-likelihood ``sum_n w_n log p(y_n | x_n, w)``: each example's
             pre-activation (and per-example) gradients are scaled by ``sqrt(w_n)``, so that the
             curvature is ``sum_n w_n`` times its contribution (the layer inputs are not weighted).
-        seed: a ``keras.random.SeedGenerator`` for the true Fisher's target samples (or None).
+        seed: a ``keras.random.SeedGenerator`` for the true Fisher's target samples, created once
+            before the loop (each step draws its next seed), or None (a random seed per step).
         compute_loss: optional ``f(y_pred) -> scalar`` training loss (default: ``loss_fn(y, y_pred,
             sample_weight)`` alone, without the net's own losses ``net.losses``, regularisers and
             ``add_loss`` terms: pass a ``compute_loss`` that adds them to train on them);
@@ -606,9 +612,12 @@ class BayesianModel(keras.Model):
             batch builds it). Supported layers for the Kronecker family: Dense and Conv2D (see
             :mod:`tfnng.curvature.capture`); others fall back to a diagonal posterior, stated once
             in a log line.
+        seed: seed of the true Fisher's sampled targets (an int, or None: drawn from Python's
+            random state, which ``keras.utils.set_random_seed`` fixes, as for Keras's own
+            generators).
     """
 
-    def __init__(self, net, **kwargs):
+    def __init__(self, net, seed=None, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(net, keras.Model):
             raise TypeError(f"BayesianModel wraps a keras.Model, got {type(net).__name__}.")
@@ -623,7 +632,8 @@ class BayesianModel(keras.Model):
         self._kl_tracker = keras.metrics.Mean(name="kl")
         self._layer_capture = None
         self._kl_traced_without_posterior = False
-        self._fisher_seed = keras.random.SeedGenerator(0, name="fisher_targets_seed")
+        self.seed = seed_value(seed)
+        self._fisher_seed = keras.random.SeedGenerator(self.seed, name="fisher_targets_seed")
         # Keras saves no SeedGenerator state: tracked as a non-trainable variable of the model, it
         # is saved (.keras, .weights.h5, tf.train.Checkpoint) and resumed training draws the same
         # targets as uninterrupted training.
@@ -868,7 +878,8 @@ class BayesianModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def get_config(self):
-        return {**super().get_config(), "net": keras.saving.serialize_keras_object(self.net)}
+        return {**super().get_config(), "net": keras.saving.serialize_keras_object(self.net),
+                "seed": self.seed}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -80,6 +80,14 @@ def _is_integer(value):
 _INT64_MAX = np.iinfo(np.int64).max      # counts meet TensorFlow's int64 step counters
 
 
+def seed_value(value):
+    """A random seed as ``keras.random.SeedGenerator`` takes it: None, or a Python int (NumPy
+    integers too, which Keras refuses) within int64, the dtype of the generator's state."""
+    if value is not None and (not _is_integer(value) or not -_INT64_MAX - 1 <= value <= _INT64_MAX):
+        raise ValueError(f"`seed` must be an integer (within int64) or None, got {value!r}.")
+    return None if value is None else int(value)
+
+
 def _positive_int(name, value):
     if not _is_integer(value) or not 1 <= value <= _INT64_MAX:
         raise ValueError(f"`{name}` must be an integer >= 1 (at most 2**63 - 1), got {value!r}.")
@@ -247,9 +255,9 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         self.prior_variance = _resolve_prior_variance(prior_variance, prior_precision)
         self.kl_weight = _positive("kl_weight", kl_weight)
         self.mc_samples = _positive_int("mc_samples", mc_samples)
-        self.seed = seed
+        self.seed = seed_value(seed)
         self.nonfinite = nonfinite
-        self._seed_generator = keras.random.SeedGenerator(seed, name="weight_noise_seed")
+        self._seed_generator = keras.random.SeedGenerator(self.seed, name="weight_noise_seed")
         self._track_variable(self._seed_generator.state)
         # 1 once the means are latched (the first step): a tf.train.Checkpoint written before
         # restores 0 (see _restarts). A dependency of the checkpoint only, not one of `variables`,
