@@ -116,13 +116,18 @@ def _multi_replica_context():
     return context if context is not None and context.num_replicas_in_sync > 1 else None
 
 
+# Folded into the seed of the true Fisher's targets: a model and an optimizer given the same seed
+# do not draw the targets and the weight noise from the same Philox stream.
+_TARGET_STREAM = 0x54415247
+
+
 def _target_seed(seed):
     """The stateless seed (``int32[2]``) of one step's true-Fisher targets, drawn once from ``seed``
-    (a ``keras.random.SeedGenerator``; a random one for None) and shared by the Dense/Conv2D path and the generic path, so that both
-    differentiate each example's log-likelihood at the same draw and the cross terms between their
-    blocks (SLANG, full covariance) are the Fisher's. The replica id is folded in: the generator's
-    state is mirrored, so its plain draw would give every replica the same noise for its
-    examples."""
+    (a ``keras.random.SeedGenerator``; a random one for None) and shared by the Dense/Conv2D path
+    and the generic path, so that both differentiate each example's log-likelihood at the same
+    draw and the cross terms between their blocks (SLANG, full covariance) are the Fisher's. The
+    replica id is folded in: the generator's state is mirrored, so its plain draw would give every
+    replica the same noise for its examples."""
     if seed is not None and not isinstance(seed, keras.random.SeedGenerator):
         raise ValueError(
             "`seed` of the true Fisher's targets must be a keras.random.SeedGenerator (created "
@@ -130,6 +135,7 @@ def _target_seed(seed):
             f"at every step; got {seed!r}.")
     stateless = (_losses._stateless_seed(seed) if seed is not None
                  else tf.random.uniform([2], maxval=tf.int32.max, dtype=tf.int32))
+    stateless = tf.random.experimental.stateless_fold_in(stateless, _TARGET_STREAM)
     context = _multi_replica_context()
     if context is None:
         return stateless
