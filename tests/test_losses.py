@@ -170,6 +170,27 @@ def test_categorical_one_hot_labels_score_a_class_masked_by_minus_infinity():
         assert np.all(np.isfinite(tape.gradient(log_p, logits).numpy())), kind
 
 
+@pytest.mark.parametrize("loss, y_pred", [
+    (GaussianNLL(1.0), np.zeros((3, 1), np.float32)),
+    (BernoulliNLL(), np.zeros((3, 1), np.float32)),
+    (CategoricalNLL(), np.zeros((3, 2), np.float32))])
+def test_targets_of_unknown_rank_are_refused(loss, y_pred):
+    """Traced with the targets' shape left open, GaussianNLL broadcast (batch,) targets against
+    the (batch, 1) mean: each example scored the sum over all targets. The Bernoulli and
+    categorical losses crashed writing their own error ("Cannot iterate over a shape with unknown
+    rank")."""
+    y_true = np.array([1.0, 0.0, 1.0], np.float32)
+    expected = loss.log_prob(y_true, y_pred).numpy()
+    for method in (loss.log_prob, loss.call):
+        traced = tf.function(method, input_signature=[tf.TensorSpec(None, tf.float32),
+                                                      tf.TensorSpec(y_pred.shape, tf.float32)])
+        with pytest.raises(ValueError, match="y_true has an unknown rank"):
+            traced(y_true, y_pred)
+    known = tf.function(loss.log_prob, input_signature=[tf.TensorSpec([None], tf.float32),
+                                                        tf.TensorSpec([None, y_pred.shape[1]])])
+    np.testing.assert_allclose(known(y_true, y_pred), expected, rtol=1e-6)
+
+
 def test_bernoulli_infinite_logit_scores_its_own_label_zero():
     """A logit of +-inf: log p = 0 for the label it predicts, -inf for the other, a soft label in
     between gets -inf, and the gradient stays finite (it gave NaN: inf - inf)."""

@@ -50,6 +50,18 @@ def _float_tensor(x, dtype):
     return x
 
 
+def _known_rank(tensor, what):
+    """``tensor``, refused when its rank is unknown (a ``tf.function`` traced with its shape left
+    open): the losses tell the batch axis from the output axes by the static rank, and an unknown
+    one broadcast (batch,) targets against a (batch, 1) mean."""
+    if tensor.shape.rank is None:
+        raise ValueError(
+            f"{what} has an unknown rank (a tf.function traced with its shape left open, e.g. "
+            "tf.TensorSpec(None) or reduce_retracing=True): give the function's input signature a "
+            "rank, e.g. tf.TensorSpec([None, 1]).")
+    return tensor
+
+
 def _stateless_seed(seed):
     """Map the seed conventions of the module docstring to an ``int32[2]`` tensor (or ``None``)."""
     if seed is None:
@@ -160,7 +172,7 @@ class LikelihoodLoss(keras.losses.Loss):
         return super().__call__(y_true, y_pred, sample_weight)
 
     def _y_pred(self, y_pred):
-        return _float_tensor(y_pred, self.dtype)
+        return _known_rank(_float_tensor(y_pred, self.dtype), f"{type(self).__name__}: y_pred")
 
     def log_prob(self, y_true, y_pred):
         """Per-example log-likelihood log p(y_true | y_pred), shape ``(batch,)``."""
@@ -261,7 +273,8 @@ class GaussianNLL(LikelihoodLoss):
     @staticmethod
     def _targets(y_true, mean):
         """``y_true`` in ``mean``'s dtype and rank; ``(batch,)`` targets expand when ``d == 1``."""
-        y_true = tf.cast(tf.convert_to_tensor(y_true), mean.dtype)
+        y_true = _known_rank(tf.cast(tf.convert_to_tensor(y_true), mean.dtype),
+                             "GaussianNLL: y_true")
         if y_true.shape.rank == mean.shape.rank - 1 and mean.shape[-1] == 1:
             y_true = y_true[..., tf.newaxis]
         if not y_true.shape.is_compatible_with(mean.shape):     # no silent broadcasting
@@ -344,7 +357,7 @@ class CategoricalNLL(LikelihoodLoss):
 
     def _labels(self, y_true, logits):
         """``("ids", int32 (batch,))`` or ``("probs", float (batch, K))``."""
-        y_true = tf.convert_to_tensor(y_true)
+        y_true = _known_rank(tf.convert_to_tensor(y_true), "CategoricalNLL: y_true")
         num_classes = logits.shape[-1]
         rank = y_true.shape.rank
         if rank == 2 and y_true.shape[-1] == 1:
@@ -425,7 +438,8 @@ class BernoulliNLL(LikelihoodLoss):
     def log_prob(self, y_true, y_pred):
         """log Bernoulli(y_true | sigmoid(y_pred)), shape ``(batch,)``."""
         logits = self._logits(y_pred)
-        y_true = tf.cast(tf.convert_to_tensor(y_true), logits.dtype)
+        y_true = _known_rank(tf.cast(tf.convert_to_tensor(y_true), logits.dtype),
+                             "BernoulliNLL: y_true")
         if y_true.shape.rank == 1:
             y_true = y_true[:, tf.newaxis]
         if y_true.shape.rank != 2 or not y_true.shape[-1:].is_compatible_with([1]):
