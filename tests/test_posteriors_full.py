@@ -74,3 +74,45 @@ def test_parameter_limit_raises_a_clear_error():
     assert full.check_parameter_count(20_000, max_parameters=20_000) == 20_000
     with pytest.raises(ValueError, match="max_parameters=5"):
         full.check_parameter_count(6, max_parameters=5)
+
+
+def test_a_precision_that_rounding_made_singular_is_factorised_with_a_little_damping():
+    """F_bar of collinear per-example gradients under a tiny gamma_in: TensorFlow's Cholesky
+    factor was NaN, and NNG-full put NaN into its posterior (mean, stddev, KL) with no update
+    skipped. The factor is now that of F_bar + delta I for the smallest delta of the retries;
+    a positive definite precision is factorised as it is."""
+    p = precision()
+    np.testing.assert_array_equal(full.cholesky(p), tf.linalg.cholesky(p))
+    rng = np.random.default_rng(1)
+    g = rng.normal(size=(D, 3))
+    g[:, 1] = g[:, 0]                                  # collinear gradients
+    singular = full.damped_precision(g @ g.T / 3, 1.0, 1e-18)
+    assert not np.all(np.isfinite(tf.linalg.cholesky(singular).numpy()))
+    chol = full.cholesky(singular).numpy()
+    assert np.all(np.isfinite(chol))
+    jitter = np.diag(chol @ chol.T - singular.numpy())
+    np.testing.assert_allclose(chol @ chol.T, singular.numpy() + np.diag(jitter), atol=1e-12)
+    scale = np.trace(singular.numpy()) / D + 1
+    assert np.allclose(jitter, jitter[0]) and 0 < jitter[0] <= 1e-2 * scale
+
+
+def test_nng_full_posterior_stays_finite_with_collinear_inputs_and_a_tiny_prior_damping():
+    import keras
+    import tfnng
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype("float32")
+    x = np.concatenate([x, x[:, :1]], 1)
+    y = (x[:, :1] - x[:, 1:2] + 0.1 * rng.normal(size=(32, 1))).astype("float32")
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)], name="collinear")
+    model = tfnng.BayesianModel(net, seed=0)
+    optimizer = tfnng.optimizers.NoisyNaturalGradient(0.01, num_examples=10**9,
+                                                      prior_variance=1e9, beta=0.5, seed=0)
+    model.compile(optimizer=optimizer, loss=tfnng.losses.GaussianNLL(noise_variance=0.1))
+    for _ in range(60):
+        model.train_on_batch(x, y)
+    kernel = net.layers[0].kernel
+    for value in (optimizer.posterior_mean(kernel), optimizer.posterior_stddev(kernel),
+                  optimizer.kl_divergence()):
+        assert np.all(np.isfinite(value.numpy()))
+    assert optimizer.skipped_updates == 0

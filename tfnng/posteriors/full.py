@@ -56,9 +56,16 @@ def damped_precision(fisher, scale, damping):
     return _linalg.cast(scale, dtype) * (fisher + _linalg.cast(damping, dtype) * eye)
 
 
+# Factorisations of a precision that rounding made singular are retried with growing damping.
+_CHOLESKY_TRIES = 4
+
+
 def cholesky(precision):
-    """Lower-triangular ``C`` with ``C C^T = precision``."""
-    return tf.linalg.cholesky(precision)
+    """Lower-triangular ``C`` with ``C C^T = precision``; if rounding left ``precision`` not
+    positive definite (a Fisher of collinear gradients under a tiny gamma_in: TensorFlow's factor
+    is then NaN), that of ``precision + delta I`` with the smallest ``delta`` of
+    :func:`tfnng.posteriors._linalg.with_growing_jitter` that factorises."""
+    return _linalg.with_growing_jitter(tf.linalg.cholesky, precision, _CHOLESKY_TRIES)[0]
 
 
 def sample(chol, standard_normal):

@@ -56,6 +56,8 @@ moment of ``(a_l, a_l+1)`` and ``A_l`` is damped. The last block uses the same f
 
 import tensorflow as tf
 
+from tfnng.posteriors import _linalg
+
 _EIGH_TRIES = 4
 _SIGMA_MAX = 1.0 - 1e-6
 
@@ -94,21 +96,7 @@ def safe_eigh(matrix, tries=_EIGH_TRIES):
     eye = tf.eye(n, dtype=tf.float64)
     sane = tf.reduce_all(tf.math.is_finite(m))
     m = tf.where(sane, m, eye)
-    scale = tf.abs(tf.linalg.trace(m)) / tf.cast(n, tf.float64) + 1.0
-
-    def attempt(k):
-        delta = 0.0 if k == 0 else scale * 10.0 ** (-8 + 2 * k)
-        values, vectors = tf.linalg.eigh(m + delta * eye)
-        ok = tf.reduce_all(tf.math.is_finite(values)) & tf.reduce_all(tf.math.is_finite(vectors))
-        return values, vectors, ok
-
-    def try_from(k):
-        values, vectors, ok = attempt(k)
-        if k == tries - 1:
-            return values, vectors, ok
-        return tf.cond(ok, lambda: (values, vectors, ok), lambda: try_from(k + 1))
-
-    values, vectors, ok = try_from(0)
+    (values, vectors), ok = _linalg.with_growing_jitter(tf.linalg.eigh, m, tries)
     values = tf.where(tf.math.is_finite(values), tf.maximum(values, 0.0), tf.zeros_like(values))
     vectors = tf.where(tf.math.is_finite(vectors), vectors, tf.zeros_like(vectors))
     return values, vectors, ok & sane
