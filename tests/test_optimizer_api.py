@@ -629,6 +629,33 @@ def test_learning_rates_assigned_after_construction_are_checked_at_each_step(rat
         np.testing.assert_array_equal(model.optimizer.posterior_mean(variable), mean)
 
 
+@pytest.mark.parametrize("make, wrap", [
+    (lambda: tfnng.optimizers.NoisyAdam(0.01, num_examples=32, seed=0), False),
+    (lambda: tfnng.optimizers.NoisyKFAC(0.01, num_examples=32, seed=0), True),
+    (lambda: tfnng.optimizers.VOGN(0.01, num_examples=32, seed=0, beta=keras.optimizers.schedules
+                                   .PiecewiseConstantDecay([1], [0.1, -0.5])), True)])
+def test_a_step_refused_by_a_run_time_check_changes_no_state(make, wrap):
+    """The learning-rate check (and a beta schedule's) stopped training, but in the compiled step
+    the state changes that do not read the checked value had run: NoisyAdam's Fisher and momentum
+    (its stddev moved while its mean did not), K-FAC's update count, Keras's iterations."""
+    x, y = regression_data(n=32)
+    keras.utils.set_random_seed(0)
+    model = tfnng.BayesianModel(small_net()) if wrap else small_net()
+    model.compile(optimizer=make(), loss=tfnng.losses.GaussianNLL())
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    optimizer = model.optimizer
+    before = {v.path: v.numpy() for v in optimizer.variables if "learning_rate" not in v.path}
+    schedule_check = isinstance(getattr(optimizer, "beta", None),
+                                keras.optimizers.schedules.LearningRateSchedule)
+    callbacks = [] if schedule_check else [keras.callbacks.LearningRateScheduler(lambda e: -0.01)]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="`beta` schedule" if schedule_check else "learning rate must be"):
+        model.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, verbose=0, callbacks=callbacks)
+    for path, value in before.items():
+        np.testing.assert_array_equal(
+            [v for v in optimizer.variables if v.path == path][0].numpy(), value, err_msg=path)
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_hyper_parameters_are_fixed_once_built_and_the_state_moves_to_a_new_optimizer(method,
                                                                                     tmp_path):

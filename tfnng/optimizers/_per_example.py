@@ -144,6 +144,10 @@ class PerExampleOptimizer(PerExampleStatistics, CurvatureConsumer, NoisyOptimize
     def _beta_now(self, dtype):
         return rate_at("beta", self.beta, self._update_count, dtype)
 
+    def _step_guards(self):
+        guards = super()._step_guards()
+        return guards + [self._beta_now(tf.float64)] if guards and self.built else guards
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Keras's, with a serialized ``beta`` schedule deserialized with ``custom_objects`` as

@@ -488,9 +488,19 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         return tf.nn.l2_loss(at_least_float32(tensor))
 
     def apply(self, grads, trainable_variables=None):
-        """Keras ``apply``; with ``nonfinite="raise"`` the checks come first: every state change of
-        the step, Keras's ``iterations`` increment (made after the update) included, waits for them."""
+        """Keras ``apply``, whose state changes (Keras's ``iterations`` increment, made after the
+        update, included) all wait for the run-time checks of the step's settings
+        (:meth:`_step_guards`) and, with ``nonfinite="raise"``, of the gradients: a step refused
+        by one changes nothing."""
         self._refuse_marks_made_after_build()
+        with tf.control_dependencies(self._step_guards()):
+            return self._apply_checked(grads, trainable_variables)
+
+    def _step_guards(self):
+        """The step's settings checked at run time (without XLA): the learning rate."""
+        return [] if compiled_with_xla() else [self._get_current_learning_rate()]
+
+    def _apply_checked(self, grads, trainable_variables):
         if self.nonfinite != "raise":
             return super().apply(grads, trainable_variables)
         if compiled_with_xla():
