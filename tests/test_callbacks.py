@@ -293,6 +293,22 @@ def test_tensorboard_every_k_batches_counts_batches_with_steps_per_execution(
     assert steps == sorted(batch_steps + [12, 24])           # and the two epoch summaries
 
 
+def test_tensorboard_steps_follow_the_batches_keras_runs_past_steps_per_epoch(tmp_path):
+    """A repeating dataset with steps_per_epoch=3 and steps_per_execution=2: Keras runs two whole
+    executions, 4 batches, per epoch. The summaries counted 3 per epoch (steps 2, 3, 5, 6), while
+    the values written at step 6 were those after 8 updates."""
+    x, y = regression_data(n=24)
+    model = regression_net()
+    model.compile(optimizer=tfnng.optimizers.NoisyAdam(num_examples=len(x)), loss="mse",
+                  steps_per_execution=2)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(2).repeat()
+    model.fit(data, epochs=2, steps_per_epoch=3, verbose=0, callbacks=[
+        callbacks.PosteriorTensorBoard(tmp_path, histogram_freq=0, update_freq=2)])
+    assert int(model.optimizer.iterations) == 8
+    steps = [step for step, _, _ in read_events(tmp_path)["elbo/kl"]]
+    assert steps == [2, 4, 4, 6, 8, 8]              # batch summaries and the two epoch summaries
+
+
 def test_histogram_buckets():
     histogram = callbacks.histogram_buckets([1.0, 2.0, 2.0, 4.0, np.nan, np.inf], bucket_count=3)
     np.testing.assert_allclose(histogram, [[1, 2, 1], [2, 3, 2], [3, 4, 1]])

@@ -264,15 +264,11 @@ class PosteriorTensorBoard(keras.callbacks.Callback):
         self._iterations_before_epoch = iterations
 
     def on_train_batch_end(self, batch, logs=None):
-        # ``batch`` is the epoch's last batch run so far: with ``steps_per_execution`` s > 1 Keras
-        # calls this once per s batches, and the epoch's last call, which may cover fewer, still
-        # says a whole execution ran. The epoch's length corrects that; when it is unknown (a
-        # tf.data pipeline), the optimizer's iterations count the batches trained.
-        steps = self.params.get("steps") if self.params else None
-        if steps:
-            done = min(batch + 1, steps)
-        else:
-            done = int(np.asarray(self.model.optimizer.iterations)) - self._iterations_before_epoch
+        # The optimizer's iterations count the batches trained. ``batch`` does not: with
+        # ``steps_per_execution`` s > 1 Keras calls this once per s batches, and the epoch's last
+        # call says a whole execution ran, whether it covered fewer batches (the data ran out) or
+        # more than ``steps_per_epoch`` (a repeating dataset).
+        done = int(np.asarray(self.model.optimizer.iterations)) - self._iterations_before_epoch
         previous, self._batches_seen = self._batches_seen, self._batches_before_epoch + done
         if self.update_freq != "epoch" and (self._batches_seen // self.update_freq
                                             > previous // self.update_freq):
