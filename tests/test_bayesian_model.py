@@ -175,6 +175,26 @@ def test_plain_kfac_has_no_posterior_distribution():
         optimizer.posterior()
 
 
+def test_plain_kfac_follows_weights_assigned_or_restored_between_steps():
+    """The model holds plain K-FAC's mean: after EarlyStopping's restore_best_weights (here an
+    assignment) posterior_mean read the last step's mean, tfnng.predict predicted with it, and the
+    next step wrote it back over the restored weights."""
+    x, y = classification_data(n=32)
+    optimizer = tfnng.optimizers.KFAC(learning_rate=0.1)
+    model, _ = fit(dense_net(), optimizer, x, y, epochs=1)
+    restored = [v.numpy() + 0.25 for v in model.net.trainable_variables]
+    for variable, value in zip(model.net.trainable_variables, restored):
+        variable.assign(value)
+    for variable, value in zip(model.net.trainable_variables, restored):
+        np.testing.assert_array_equal(optimizer.posterior_mean(variable).numpy(), value)
+    np.testing.assert_allclose(tfnng.predict(model, x, num_samples=2).probs,
+                               tf.nn.softmax(model.predict(x, verbose=0)), rtol=1e-5, atol=1e-7)
+    optimizer.learning_rate = 0.0
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    for variable, value in zip(model.net.trainable_variables, restored):
+        np.testing.assert_array_equal(variable.numpy(), value)
+
+
 def test_plain_kfac_trains_without_noise_under_xla(caplog):
     """Trains under XLA, with a warning that XLA's CPU eigensolver makes inverse updates slow
     (not given without XLA)."""

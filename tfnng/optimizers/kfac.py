@@ -801,6 +801,14 @@ class KFAC(NoisyKFAC):
     def sampling_damping(self):
         return self.damping + self.l2
 
+    def _initialize_means_once(self, latch=True):
+        """Without weight noise the model's variables hold the mean: it is read from them before
+        each step and each posterior access, so weights Keras restores (EarlyStopping's
+        ``restore_best_weights``) or a user assigns are where the next step starts."""
+        super()._initialize_means_once(latch)
+        for mean, variable in zip(self._means, self._trainable_variables):
+            mean.assign(variable)
+
     @property
     def step_damping(self):
         return self.damping + self.l2
