@@ -213,8 +213,9 @@ def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=No
         d_new = (1 - beta) d + beta prior_precision
                 + diag[(1 - beta) U U^T + beta c G G^T - U_new U_new^T]
 
-    so ``diag(U_new U_new^T + diag d_new) == diag(P_new)`` exactly (eq. 8; SLANG App. D; the
-    correction, a PSD matrix's diagonal, is clamped at 0 against round-off). With
+    so ``diag(U_new U_new^T + diag d_new) == diag(P_new)`` exactly (eq. 8; SLANG App. D), also
+    with the randomised eigensolver's non-PSD remainder, wherever ``d_new`` stays positive (else
+    the correction of that entry is dropped). With
     ``L = D`` the update is exact: SLANG equals the full-covariance update (2).
 
     Args:
@@ -238,13 +239,15 @@ def update(low_rank, diagonal, curvature_factors, beta, prior_precision, rank=No
                                   tf.sqrt(beta * _linalg.cast(curvature_weight, dtype)))
     _, new_low_rank = _top_eigenpairs(combined, rank, oversampling, power_iterations, seed, method,
                                       power=0.5)                            # Q Lambda^{1/2}, eq. 7
-    # The discarded part is positive semi-definite, so its diagonal is >= 0; as the difference of two
-    # nearly equal row norms it can round below 0 in float32 (error ~1e-7 x the row norm), and d
-    # would then turn negative and its square root NaN.
-    correction = tf.maximum(
-        combined.squared_row_norms() - tf.reduce_sum(tf.square(new_low_rank), axis=1), 0.0)
-    new_diagonal = ((1.0 - beta) * _linalg.cast(diagonal, dtype)
-                    + beta * _linalg.cast(prior_precision, dtype) + correction)
+    # The discarded part's diagonal: >= 0 for exact top-L eigenpairs, but the randomised range
+    # finder without power iterations leaves a part that is not positive semi-definite, whose
+    # diagonal is negative in places. Kept, so that the diagonal stays exact, wherever d stays
+    # positive; where it would not (round-off of two nearly equal row norms in float32 against a
+    # tiny d), the correction is dropped: d negative would make its square root NaN.
+    correction = combined.squared_row_norms() - tf.reduce_sum(tf.square(new_low_rank), axis=1)
+    base = ((1.0 - beta) * _linalg.cast(diagonal, dtype)
+            + beta * _linalg.cast(prior_precision, dtype))
+    new_diagonal = tf.where(base + correction > 0, base + correction, base)
     return new_low_rank, new_diagonal
 
 
