@@ -419,9 +419,9 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
     due = unwrap_optimizer(optimizer).curvature_due()
     if zeros:
         if requirements.fisher == "true":
-            fisher_grads = _gradients_when_due(tape, fisher_ll, zeros, due)
-            pre_grads = [g / tf.cast(example_scale, g.dtype)
-                         for g in (_statistic(g, loss.dtype) for g in fisher_grads)]
+            pre_grads = [_statistic(g, loss.dtype)
+                         for g in _gradients_when_due(tape, fisher_ll, zeros, due)]
+            pre_grads = [g / tf.cast(example_scale, g.dtype) for g in pre_grads]
         else:
             # Gradients of the log-likelihood (minus the mean loss, times B), as for the true Fisher.
             # Unscaled, in float32 at least (also when the activations are float16).
@@ -430,8 +430,8 @@ def gradients_and_curvature(net, capture, optimizer, loss_fn, x, y, sample_weigh
                 likelihood_grads = _gradients_when_due(tape, likelihood_loss, zeros, due)
             else:
                 likelihood_grads = all_grads[len(variables):]
-            pre_grads = [g * tf.cast(factor, g.dtype)
-                         for g in (_statistic(g, loss.dtype) for g in likelihood_grads)]
+            pre_grads = [_statistic(g, loss.dtype) for g in likelihood_grads]
+            pre_grads = [g * tf.cast(factor, g.dtype) for g in pre_grads]
             if weights is not None:     # the loss weighs example n by w_n; the statistics sqrt(w_n)
                 pre_grads = [_scale_examples(g, _inverse_roots(weights, g.dtype))
                              for g in pre_grads]

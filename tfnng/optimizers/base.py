@@ -459,14 +459,17 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         tf.cond(self._restarts(), self._restart_built_state, lambda: tf.constant(False))
 
         def initialize():
-            for mean, variable in zip(self._means, self._trainable_variables):
-                mean.assign(variable)
+            self._copy_weights_to_means()
             if latch:
                 self._means_ready.assign(1)
                 self._posterior_started.assign(1)
             return tf.constant(True)
 
         tf.cond(self._means_ready > 0, lambda: tf.constant(False), initialize)
+
+    def _copy_weights_to_means(self):
+        for mean, variable in zip(self._means, self._trainable_variables):
+            mean.assign(variable)
 
     def _checked_tensors(self, grads, trainable_variables):
         """``[(description, tensor)]`` the non-finite guard checks (class docstring): the floating
@@ -493,16 +496,19 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         (:meth:`_step_guards`) and, with ``nonfinite="raise"``, of the gradients: a step refused
         by one changes nothing."""
         self._refuse_marks_made_after_build()
-        with tf.control_dependencies(self._step_guards()):
-            return self._apply_checked(grads, trainable_variables)
+        guards = self._step_guards() + self._gradient_guards(grads, trainable_variables)
+        with tf.control_dependencies(guards):
+            return super().apply(grads, trainable_variables)
 
     def _step_guards(self):
         """The step's settings checked at run time (without XLA): the learning rate."""
         return [] if compiled_with_xla() else [self._get_current_learning_rate()]
 
-    def _apply_checked(self, grads, trainable_variables):
+    def _gradient_guards(self, grads, trainable_variables):
+        """With ``nonfinite="raise"``, one check per gradient and captured statistic (none
+        otherwise)."""
         if self.nonfinite != "raise":
-            return super().apply(grads, trainable_variables)
+            return []
         if compiled_with_xla():
             raise ValueError(
                 f"{type(self).__name__}(nonfinite='raise') cannot check a step compiled with "
@@ -511,17 +517,15 @@ class NoisyOptimizer(keras.optimizers.Optimizer):
         variables = self._trainable_variables if trainable_variables is None else trainable_variables
         checked = self._checked_tensors(grads, variables)
         if not checked:
-            return super().apply(grads, trainable_variables)
+            return []
         # Summed over replicas (a NaN in one replica's shard reaches all): every replica raises,
         # none changes its copy of the state.
         [squares] = _sum_over_replicas([tf.stack([
             tf.cast(self._half_sum_of_squares(t), tf.float64) for _, t in checked])])
-        guards = [tf.debugging.check_numerics(squares[i],
-                                              f"{type(self).__name__}(nonfinite='raise'): NaN or "
-                                              f"Inf (or an overflowing square) in {what}")
-                  for i, (what, _) in enumerate(checked)]
-        with tf.control_dependencies(guards):
-            return super().apply(grads, trainable_variables)
+        return [tf.debugging.check_numerics(squares[i],
+                                            f"{type(self).__name__}(nonfinite='raise'): NaN or "
+                                            f"Inf (or an overflowing square) in {what}")
+                for i, (what, _) in enumerate(checked)]
 
     def _refuse_marks_made_after_build(self):
         """The marks are read when the optimizer is built (a point estimate has other state than

@@ -806,8 +806,7 @@ class KFAC(NoisyKFAC):
         each step and each posterior access, so weights Keras restores (EarlyStopping's
         ``restore_best_weights``) or a user assigns are where the next step starts."""
         super()._initialize_means_once(latch)
-        for mean, variable in zip(self._means, self._trainable_variables):
-            mean.assign(variable)
+        self._copy_weights_to_means()
 
     @property
     def step_damping(self):
